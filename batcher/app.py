@@ -1,0 +1,73 @@
+"""The aiohttp application: routes, the one place errors become responses, and the registry's lifetime.
+
+The registry (models, their threads and memory) lives in ``cleanup_ctx``: it is loaded before the server
+accepts connections and closed, with every task cancelled and awaited, when the server stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from .config import Config
+from .errors import BatcherError
+from .keys import CONFIG, METRICS, REGISTRY
+from .metrics import Metrics
+from .registry import Registry
+from .routes import routes
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str, retry_after_s: int | None = None) -> web.Response:
+    """``{"error": message}`` with ``status``; 503 answers carry ``Retry-After``."""
+    headers = {}
+    if retry_after_s is not None or status == 503:
+        headers["Retry-After"] = str(retry_after_s or 1)
+    return web.Response(
+        body=orjson.dumps({"error": message}), status=status, content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map every error to a JSON response, in one place."""
+    try:
+        return await handler(request)
+    except BatcherError as exc:
+        return error_response(exc.status, exc.message, exc.retry_after_s)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route 404, 405, 413 body over client_max_size
+        if exc.status < 400:
+            raise
+        resp = error_response(exc.status, exc.text or exc.reason)
+        for k in ("Allow", "Retry-After"):
+            if k in exc.headers:
+                resp.headers[k] = exc.headers[k]
+        return resp
+    except Exception as exc:  # a bug: answer 500 and keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {exc!r}")
+
+
+def create_app(config: Config) -> web.Application:
+    """Build the application for ``config``; models load when it starts (``cleanup_ctx``)."""
+    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware])
+    metrics = Metrics()
+    app[CONFIG] = config
+    app[METRICS] = metrics
+    app[REGISTRY] = Registry(config, metrics)
+
+    async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
+        registry = app[REGISTRY]
+        await registry.start()
+        yield
+        await registry.close()
+
+    app.cleanup_ctx.append(registry_ctx)
+    app.add_routes(routes)
+    return app

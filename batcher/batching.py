@@ -1,0 +1,119 @@
+"""Pure batching functions: which queued requests form the next batch, stacking inputs, splitting outputs.
+
+No event loop here (after MLServer's ``batching/requests.py``): the scheduler calls these and they are tested
+directly.
+
+Rules:
+
+* Only requests whose inputs have identical non-batch shapes and datatypes share a batch (:func:`shape_key`):
+  recogniser crops of different widths go to different batches.
+* A batch holds at most ``max_batch_size`` rows; a request counts all its rows and is never split.
+* The batch is led by the oldest waiting request; later requests with the same key join in arrival order while
+  they fit (a request that does not fit is skipped, not split, and leads a later batch).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def shape_key(inputs: dict[str, np.ndarray]) -> Hashable:
+    """Key that is equal for requests that may share a batch: per input, name, dtype and non-batch dims."""
+    return tuple((name, a.dtype.str, a.shape[1:]) for name, a in sorted(inputs.items()))
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    EXECUTING = "executing"
+    DONE = "done"  # answered (expired, cancelled or completed)
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request waiting for, or in, a batch.
+
+    Attributes:
+        inputs: validated inputs, first dim ``rows``.
+        arrival: event-loop monotonic time (s) the request was received.
+        deadline: monotonic time (s) after which it must not start executing; None for no deadline.
+        future: settled exactly once, with the request's outputs or an error (opaque here).
+    """
+
+    inputs: dict[str, np.ndarray]
+    rows: int
+    key: Hashable
+    arrival: float
+    deadline: float | None = None
+    future: Any = None
+    state: State = State.QUEUED
+    timer: Any = field(default=None, repr=False)
+
+
+def plan_batch(queue: Iterable[Pending], max_batch_size: int) -> tuple[list[Pending], int]:
+    """Choose the next batch from ``queue`` (arrival order) without changing it.
+
+    Returns:
+        ``(batch, rows)``: the oldest QUEUED request and the later QUEUED requests with its shape key that fit
+        within ``max_batch_size`` rows, in arrival order; ``([], 0)`` when nothing is queued.
+    """
+    batch: list[Pending] = []
+    rows = 0
+    key = None
+    for p in queue:
+        if p.state is not State.QUEUED:
+            continue
+        if key is None:
+            key = p.key
+        elif p.key != key:
+            continue
+        if rows + p.rows > max_batch_size:
+            if rows == max_batch_size:
+                break
+            continue
+        batch.append(p)
+        rows += p.rows
+    return batch, rows
+
+
+def batch_is_full(rows: int, max_batch_size: int, preferred_batch_sizes: Sequence[int] = ()) -> bool:
+    """Whether a batch of ``rows`` should go now instead of waiting out the queue delay.
+
+    It goes at ``max_batch_size`` rows or at the largest preferred batch size (Triton's
+    ``preferred_batch_size``: reaching it is as good as full).
+    """
+    if rows >= max_batch_size:
+        return True
+    return bool(preferred_batch_sizes) and rows >= preferred_batch_sizes[-1]
+
+
+def stack_inputs(batch: Sequence[Pending]) -> dict[str, np.ndarray]:
+    """Concatenate the batch's inputs along the batch dim (no copy for a batch of one request)."""
+    if len(batch) == 1:
+        return batch[0].inputs
+    names = batch[0].inputs.keys()
+    return {name: np.concatenate([p.inputs[name] for p in batch], axis=0) for name in names}
+
+
+def split_outputs(outputs: dict[str, np.ndarray], row_counts: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Split each output along the batch dim back into the requests' shares, in order.
+
+    Returns views, not copies.
+
+    Raises:
+        ValueError: an output's first dimension is not the batch's total rows (a broken engine).
+    """
+    total = sum(row_counts)
+    for name, arr in outputs.items():
+        if arr.ndim == 0 or arr.shape[0] != total:
+            raise ValueError(f"output '{name}' has shape {list(arr.shape)}, expected {total} rows first")
+    parts = []
+    start = 0
+    for n in row_counts:
+        parts.append({name: arr[start : start + n] for name, arr in outputs.items()})
+        start += n
+    return parts

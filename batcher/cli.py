@@ -1,0 +1,89 @@
+"""Command line: ``batcher serve`` runs the server; ``batcher check-config`` validates a config file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="batcher",
+        description="Dynamic-batching inference server speaking the KServe v2 (Triton-compatible) HTTP protocol.",
+    )
+    p.add_argument("--version", action="version", version=f"trt-batcher {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the models of a config over HTTP",
+        description="Load every model of the config, then serve KServe v2 HTTP on HOST:PORT until SIGINT/SIGTERM.",
+    )
+    s.add_argument("--config", metavar="PATH",
+                   help="YAML config (default: the embedded configs/default.yaml: three PP-OCR models and the "
+                        "seed models tiny_cnn, mid_cnn, resnet18 on CPU)")
+    s.add_argument("--host", help="address to bind (default: the config's server.host, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="TCP port (default: the config's server.port, 8000)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="logging level (default: the config's server.log_level, info)")
+    s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (costs CPU)")
+
+    c = sub.add_parser("check-config", help="validate a config file and print the models it serves",
+                       description="Validate a YAML config (types, ranges, references) without loading models.")
+    c.add_argument("path", metavar="PATH", nargs="?", help="YAML config (default: the embedded default)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .config import load_config
+
+    try:
+        config = load_config(getattr(args, "config", None) if args.command == "serve" else args.path)
+    except ConfigError as exc:
+        print(f"batcher: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        for m in config.models:
+            print(f"{m.name} v{m.version}: {m.path} ({m.backend}, {m.device}, instances {m.instances})")
+        return 0
+    return _serve(config, args)
+
+
+def _serve(config, args) -> int:
+    from aiohttp import web
+
+    from .app import create_app
+
+    server = config.server.model_copy(update={
+        k: v for k, v in (("host", args.host), ("port", args.port), ("log_level", args.log_level)) if v is not None
+    })
+    config = config.model_copy(update={"server": server})
+    logging.basicConfig(
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    log = logging.getLogger("batcher")
+    try:
+        web.run_app(
+            create_app(config),
+            host=server.host,
+            port=server.port,
+            access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
+            print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", server.host, server.port),
+            handle_signals=True,
+        )
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", server.host, server.port, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

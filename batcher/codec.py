@@ -1,0 +1,328 @@
+"""KServe v2 inference request/response codec: JSON tensors and the binary tensor data extension.
+
+Pure functions, no event loop and no HTTP objects, so they are testable on their own.
+
+Wire format (https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/ and Triton's
+binary data extension, docs/protocol/extension_binary_data.md):
+
+* A request body is JSON, or JSON followed by raw tensor bytes; then the HTTP header
+  ``Inference-Header-Content-Length`` gives the JSON part's length. An input whose ``parameters`` hold
+  ``binary_data_size: N`` takes the next ``N`` bytes of the binary part, in the order inputs are listed.
+* Numeric tensors travel as little-endian row-major bytes; BOOL as one byte per element; BYTES as elements each
+  prefixed by a 4-byte little-endian length.
+* JSON ``data`` may be flat or nested (row-major); BYTES elements in JSON are UTF-8 strings.
+* Outputs are returned as binary when the output's ``parameters.binary_data`` is true, or, for outputs without
+  that parameter, when the request's ``parameters.binary_data_output`` is true.
+
+Non-finite floats (NaN, +-Inf) in JSON outputs are written as ``null`` (JSON has no NaN); binary outputs carry
+them bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from engines.datatypes import NUMPY_DTYPES, from_numpy
+
+from .errors import InvalidInput
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    """An output the client asked for; ``binary`` is None when the client did not say."""
+
+    name: str
+    binary: bool | None = None
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request.
+
+    Attributes:
+        inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``).
+        outputs: requested outputs in order; None means every output of the model.
+        binary_output: the request-level ``binary_data_output`` default.
+        timeout_us: Triton's ``parameters.timeout`` (microseconds), if given.
+    """
+
+    inputs: dict[str, np.ndarray]
+    id: str | None = None
+    outputs: list[RequestedOutput] | None = None
+    binary_output: bool = False
+    timeout_us: int | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _int_param(params: dict[str, Any], key: str, where: str) -> int | None:
+    v = params.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _bool_param(params: dict[str, Any], key: str, where: str) -> bool | None:
+    v = params.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise InvalidInput(f"{where}.{key}: expected true or false, got {v!r}")
+    return v
+
+
+def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    p = obj.get("parameters", {})
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise InvalidInput(f"{where}.parameters: expected an object, got {type(p).__name__}")
+    return p
+
+
+def decode_bytes_elements(raw: memoryview | bytes, count: int, where: str) -> np.ndarray:
+    """Parse ``count`` length-prefixed BYTES elements filling ``raw`` exactly.
+
+    Returns:
+        1-D object array of ``bytes``.
+
+    Raises:
+        InvalidInput: a length prefix runs past the end, or bytes are left over, or the count differs.
+    """
+    out = np.empty(count, dtype=object)
+    pos, n, size = 0, 0, len(raw)
+    while pos < size:
+        if pos + 4 > size:
+            raise InvalidInput(f"{where}: truncated BYTES length prefix at byte {pos}")
+        (length,) = _LEN.unpack_from(raw, pos)
+        pos += 4
+        if pos + length > size:
+            raise InvalidInput(f"{where}: BYTES element {n} of length {length} runs past the end ({size} bytes)")
+        if n >= count:
+            raise InvalidInput(f"{where}: more than the {count} BYTES elements its shape declares")
+        out[n] = bytes(raw[pos : pos + length])
+        pos += length
+        n += 1
+    if n != count:
+        raise InvalidInput(f"{where}: shape declares {count} BYTES elements, binary data holds {n}")
+    return out
+
+
+def encode_bytes_elements(arr: np.ndarray) -> bytes:
+    """Serialise a BYTES tensor (elements ``bytes`` or ``str``) as length-prefixed elements, row-major."""
+    parts = []
+    for item in arr.ravel():
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _from_json(data: Any, datatype: str, dtype: np.dtype, count: int, where: str) -> np.ndarray:
+    if not isinstance(data, list):
+        raise InvalidInput(f"{where}.data: expected a list, got {type(data).__name__}")
+    if datatype == "BYTES":
+        try:
+            flat = np.asarray(data, dtype=object).ravel()
+        except ValueError as exc:
+            raise InvalidInput(f"{where}.data: ragged nested list ({exc})") from None
+        out = np.empty(flat.size, dtype=object)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise InvalidInput(f"{where}.data[{i}]: BYTES elements must be strings, got {item!r}")
+            out[i] = item.encode()
+        arr = out
+    else:
+        try:
+            arr = np.asarray(data)
+        except ValueError as exc:
+            raise InvalidInput(f"{where}.data: ragged nested list ({exc})") from None
+        kind = arr.dtype.kind
+        if arr.size and not _json_kind_ok(kind, dtype.kind):
+            sample = arr.ravel()[0]
+            raise InvalidInput(f"{where}.data: {datatype} expects {_KIND_WORD[dtype.kind]}, got {sample!r}")
+        if dtype.kind in "iu" and arr.size:
+            info = np.iinfo(dtype)
+            lo, hi = arr.min(), arr.max()
+            if lo < info.min or hi > info.max:
+                raise InvalidInput(f"{where}.data: value {lo if lo < info.min else hi} is out of range for {datatype}")
+        arr = arr.astype(dtype, copy=False).ravel()
+    if arr.size != count:
+        raise InvalidInput(f"{where}: shape holds {count} elements, data has {arr.size}")
+    return arr
+
+
+_KIND_WORD = {"b": "true/false", "i": "integers", "u": "non-negative integers", "f": "numbers"}
+
+
+def _json_kind_ok(got: str, want: str) -> bool:
+    if want == "b":
+        return got == "b"
+    if want in "iu":
+        return got in "iu"
+    return got in "iuf"  # float tensors accept integer literals
+
+
+def decode_request(body: bytes, header_length: str | None = None) -> InferRequest:
+    """Decode a KServe v2 inference request body.
+
+    Args:
+        body: the whole HTTP body.
+        header_length: value of the ``Inference-Header-Content-Length`` header, or None for pure JSON.
+
+    Returns:
+        the request with each input as a numpy array of its declared shape and datatype.
+
+    Raises:
+        InvalidInput: malformed JSON or header, unknown datatype, bad shape, data/shape mismatch, wrong binary size.
+    """
+    if header_length is None:
+        json_part, binary = body, memoryview(b"")
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InvalidInput(f"{HEADER_LENGTH}: expected an integer, got {header_length!r}") from None
+        if n < 0 or n > len(body):
+            raise InvalidInput(f"{HEADER_LENGTH}: {n} is outside the body's {len(body)} bytes")
+        view = memoryview(body)
+        json_part, binary = view[:n], view[n:]
+    try:
+        doc = orjson.loads(json_part)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"request body: expected a JSON object, got {type(doc).__name__}")
+    req_params = _params(doc, "request")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("inputs: expected a non-empty list of input tensors")
+
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, t in enumerate(raw_inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(t, dict):
+            raise InvalidInput(f"{where}: expected an object, got {type(t).__name__}")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"{where}.name: expected a string, got {name!r}")
+        where = f"input '{name}'"
+        if name in inputs:
+            raise InvalidInput(f"{where}: given twice")
+        datatype = t.get("datatype")
+        if datatype not in NUMPY_DTYPES:
+            raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got {datatype!r}")
+        shape = t.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise InvalidInput(f"{where}.shape: expected a list of non-negative integers, got {shape!r}")
+        dtype = NUMPY_DTYPES[datatype]
+        count = math.prod(shape)
+        size = _int_param(_params(t, where), "binary_data_size", where + ".parameters")
+        if size is not None:
+            if "data" in t:
+                raise InvalidInput(f"{where}: has both data and binary_data_size")
+            if offset + size > len(binary):
+                raise InvalidInput(
+                    f"{where}.binary_data_size: {size} bytes at offset {offset} run past the "
+                    f"{len(binary)} bytes of binary data"
+                )
+            raw = binary[offset : offset + size]
+            offset += size
+            if datatype == "BYTES":
+                flat = decode_bytes_elements(raw, count, where)
+            else:
+                want = count * dtype.itemsize
+                if size != want:
+                    raise InvalidInput(
+                        f"{where}.binary_data_size: shape {shape} of {datatype} needs {want} bytes, got {size}"
+                    )
+                flat = np.frombuffer(raw, dtype=dtype)
+                if datatype == "BOOL" and flat.size and np.frombuffer(raw, np.uint8).max() > 1:
+                    raise InvalidInput(f"{where}: BOOL bytes must be 0 or 1")
+        elif "data" in t:
+            flat = _from_json(t["data"], datatype, dtype, count, where)
+        else:
+            raise InvalidInput(f"{where}: needs data or parameters.binary_data_size")
+        inputs[name] = flat.reshape(shape)
+    if offset != len(binary):
+        raise InvalidInput(f"binary data: {len(binary)} bytes sent, inputs declare {offset}")
+
+    outputs = None
+    raw_outputs = doc.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise InvalidInput(f"outputs: expected a list, got {type(raw_outputs).__name__}")
+        outputs = []
+        for i, o in enumerate(raw_outputs):
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {o!r}")
+            op = _params(o, f"outputs[{i}]")
+            if op.get("classification"):
+                raise InvalidInput(f"outputs[{i}].parameters.classification: not supported by this server")
+            outputs.append(RequestedOutput(o["name"], _bool_param(op, "binary_data", f"outputs[{i}].parameters")))
+
+    rid = doc.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidInput(f"id: expected a string, got {rid!r}")
+    return InferRequest(
+        inputs=inputs,
+        id=rid,
+        outputs=outputs,
+        binary_output=bool(_bool_param(req_params, "binary_data_output", "request.parameters")),
+        timeout_us=_int_param(req_params, "timeout", "request.parameters"),
+        parameters=req_params,
+    )
+
+
+def encode_response(
+    model_name: str,
+    model_version: str,
+    outputs: dict[str, np.ndarray],
+    request: InferRequest,
+) -> tuple[bytes, int | None]:
+    """Encode an inference response.
+
+    Args:
+        outputs: output name -> array for this request only (first dim = the request's rows).
+        request: the decoded request (its ``id``, requested outputs and binary flags).
+
+    Returns:
+        ``(body, json_length)``; ``json_length`` is None for a pure-JSON body, else the value for the
+        ``Inference-Header-Content-Length`` header (binary tensors follow the JSON).
+    """
+    wanted = request.outputs
+    if wanted is None:
+        wanted = [RequestedOutput(name) for name in outputs]
+    entries = []
+    blobs = []
+    for w in wanted:
+        arr = outputs[w.name]
+        datatype = from_numpy(arr.dtype)
+        entry: dict[str, Any] = {"name": w.name, "datatype": datatype, "shape": list(arr.shape)}
+        if w.binary if w.binary is not None else request.binary_output:
+            blob = encode_bytes_elements(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif datatype == "BYTES":
+            entry["data"] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.ravel()]
+        else:
+            entry["data"] = np.ascontiguousarray(arr).ravel()
+        entries.append(entry)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
+    if request.id is not None:
+        doc["id"] = request.id
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return head, None
+    return b"".join([head, *blobs]), len(head)

@@ -1,0 +1,197 @@
+"""Server configuration: YAML validated at load by pydantic; a bad value is reported with its path and value.
+
+Field names follow the seed design and KServe/Triton terms, with units in the names
+(``max_queue_delay_us`` is Triton's ``max_queue_delay_microseconds``, ``preferred_batch_sizes`` its
+``preferred_batch_size``, ``instances`` the ``count`` of its ``instance_group``).
+
+Example (``configs/default.yaml`` is the full one)::
+
+    server: {host: 127.0.0.1, port: 8000}
+    models:
+      - name: ppocr_rec
+        path: zoo:ppocr_rec
+        instances: 1
+        inputs: [{name: x, dims: [3, 48, -1]}]
+        max_batch_size: 16
+        max_queue_delay_us: 2000
+        max_queue_size: 256
+        timeout_ms: 1000
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+#: body limit default: a batch-32 224x224 FP32 request is 19.3 MB in binary and ~80-100 MB as JSON text.
+DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Strict):
+    """Declares or narrows a model input, like Triton's ``input { name dims }``.
+
+    ``dims`` excludes the batch dimension; ``-1`` leaves a dimension dynamic. ``warmup_dims`` gives the sizes
+    used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``).
+    """
+
+    name: str
+    dims: list[int] | None = None
+    warmup_dims: list[int] | None = None
+
+    @field_validator("dims")
+    @classmethod
+    def _dims(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d == 0 or d < -1 for d in v):
+            raise ValueError(f"dims must be positive or -1, got {v}")
+        return v
+
+    @field_validator("warmup_dims")
+    @classmethod
+    def _warmup_dims(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d <= 0 for d in v):
+            raise ValueError(f"warmup_dims must be positive, got {v}")
+        return v
+
+
+class ModelConfig(_Strict):
+    """One served model (one version of it)."""
+
+    name: str
+    version: int = Field(1, ge=1)
+    backend: Literal["onnxruntime"] = "onnxruntime"
+    #: a model file, or ``zoo:<name>`` for a built-in model (see :mod:`engines.zoo`).
+    path: str
+    device: Literal["cpu", "cuda"] = "cpu"
+    #: execution contexts (each with its own executor thread), Triton's instance_group count.
+    instances: int = Field(1, ge=1, le=64)
+    #: intra-op threads of each ONNX Runtime context; 0 lets ONNX Runtime use every core.
+    intra_op_threads: int = Field(1, ge=0, le=256)
+    #: rows per batch at most; default: the engine's optimization profile maximum, else 8.
+    max_batch_size: int | None = Field(None, ge=1)
+    #: how long a batch may wait for more rows, counted from its first queued request (microseconds).
+    max_queue_delay_us: int = Field(0, ge=0, le=10_000_000)
+    #: batch sizes the batcher dispatches at as soon as it reaches them (Triton's preferred_batch_size).
+    preferred_batch_sizes: list[int] = []
+    #: requests waiting in the queue at most; beyond it requests get 503 + Retry-After.
+    max_queue_size: int = Field(256, ge=1)
+    #: default deadline of a request without ``parameters.timeout`` (ms); none: no deadline.
+    timeout_ms: int | None = Field(None, ge=1)
+    inputs: list[InputConfig] = []
+    #: another model that may take this model's requests (routing; validated here, used by the router).
+    fallback: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"model name must match {_NAME.pattern}, got {v!r}")
+        return v
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _preferred(cls, v: list[int]) -> list[int]:
+        if any(p < 1 for p in v):
+            raise ValueError(f"preferred batch sizes must be >= 1, got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.max_batch_size is not None and any(p > self.max_batch_size for p in self.preferred_batch_sizes):
+            raise ValueError(
+                f"preferred_batch_sizes {self.preferred_batch_sizes} exceed max_batch_size {self.max_batch_size}"
+            )
+        names = [i.name for i in self.inputs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"inputs name an input twice: {names}")
+        return self
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    #: request bodies above this get 413.
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Config:
+        seen: set[tuple[str, int]] = set()
+        names = {m.name for m in self.models}
+        for i, m in enumerate(self.models):
+            if (m.name, m.version) in seen:
+                raise ValueError(f"models[{i}]: model {m.name!r} version {m.version} is configured twice")
+            seen.add((m.name, m.version))
+            if m.fallback is not None and (m.fallback not in names or m.fallback == m.name):
+                raise ValueError(f"models[{i}].fallback: {m.fallback!r} is not another configured model")
+        return self
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    """Validate a parsed YAML document.
+
+    Raises:
+        ConfigError: every problem, one per line, as ``path: message (got value)``.
+    """
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = _path(err["loc"]) or "config"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+        raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def default_config_text() -> str:
+    """The embedded ``configs/default.yaml``."""
+    return importlib.resources.files("configs").joinpath("default.yaml").read_text(encoding="utf-8")
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Load and validate a YAML config; ``None`` loads the embedded ``configs/default.yaml``.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or invalid values (message names the path and value).
+    """
+    if path is None:
+        text, source = default_config_text(), "configs/default.yaml"
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {source}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
+    return parse_config(data, source)

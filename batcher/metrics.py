@@ -1,0 +1,100 @@
+"""Prometheus metrics, labelled ``model`` and ``version``.
+
+Names are fixed (dashboards rely on them); each mirrors a Triton metric:
+
+================================================  ===============================================
+ours                                              Triton
+================================================  ===============================================
+``batcher_request_success_total``                 ``nv_inference_request_success``
+``batcher_request_failure_total{reason}``         ``nv_inference_request_failure{reason}``
+``batcher_inference_count_total`` (rows run)      ``nv_inference_count``
+``batcher_execution_count_total`` (batches run)   ``nv_inference_exec_count``
+``batcher_queue_duration_seconds`` (histogram)    ``nv_inference_queue_duration_us``
+``batcher_compute_duration_seconds`` (histogram)  ``nv_inference_compute_infer_duration_us``
+``batcher_batch_size`` (histogram, rows)          (none; Triton only has the two counts above)
+``batcher_queue_depth`` (gauge, requests)         ``nv_inference_pending_request_count``
+================================================  ===============================================
+
+Failure reasons: ``invalid`` (400/413), ``rejected`` (503: queue full, not ready), ``timeout`` (504: deadline
+passed before execution), ``backend`` (500: engine error), ``canceled`` (client went away), ``other``.
+
+Average batch size = ``rate(batcher_inference_count_total) / rate(batcher_execution_count_total)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    """The service's metric families, in their own registry (one per app, so apps in one process don't clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("model", "version")
+        r = self.registry
+        self.success = Counter(
+            "batcher_request_success", "Inference requests answered with outputs", labels, registry=r
+        )
+        self.failure = Counter(
+            "batcher_request_failure", "Inference requests answered with an error, by reason",
+            (*labels, "reason"), registry=r,
+        )
+        self.inference_count = Counter(
+            "batcher_inference_count", "Rows (inferences) executed; a batch of n rows adds n", labels, registry=r
+        )
+        self.execution_count = Counter(
+            "batcher_execution_count", "Batches executed (engine executions)", labels, registry=r
+        )
+        self.queue_duration = Histogram(
+            "batcher_queue_duration_seconds", "Time a request waited in the queue before its batch started",
+            labels, buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.compute_duration = Histogram(
+            "batcher_compute_duration_seconds", "Engine execution time of a batch (stack, run, split)",
+            labels, buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.batch_size = Histogram(
+            "batcher_batch_size", "Rows per executed batch", labels, buckets=BATCH_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(
+            "batcher_queue_depth", "Requests waiting in the model's queue", labels, registry=r
+        )
+
+    def for_model(self, model: str, version: str) -> ModelMetrics:
+        """Children bound to one model version (label lookups done once, off the hot path)."""
+        lv = (model, version)
+        return ModelMetrics(
+            labels=lv,
+            success=self.success.labels(*lv),
+            failure=self.failure,
+            inference_count=self.inference_count.labels(*lv),
+            execution_count=self.execution_count.labels(*lv),
+            queue_duration=self.queue_duration.labels(*lv),
+            compute_duration=self.compute_duration.labels(*lv),
+            batch_size=self.batch_size.labels(*lv),
+            queue_depth=self.queue_depth.labels(*lv),
+        )
+
+
+@dataclass
+class ModelMetrics:
+    labels: tuple[str, str]
+    success: Counter
+    failure: Counter
+    inference_count: Counter
+    execution_count: Counter
+    queue_duration: Histogram
+    compute_duration: Histogram
+    batch_size: Histogram
+    queue_depth: Gauge
+
+    def fail(self, reason: str) -> None:
+        self.failure.labels(*self.labels, reason).inc()

@@ -1,0 +1,290 @@
+"""Per-model queue, batcher coroutine and executor threads.
+
+Flow for one model::
+
+    submit() --> bounded queue (max_queue_size requests; full -> 503 + Retry-After)
+             --> batcher coroutine: waits for an idle execution context, then for a batch: the oldest request
+                 opens the window; the batch goes at max_batch_size rows, at the largest preferred batch size, or
+                 max_queue_delay_us after the first request arrived (time.monotonic, the event loop's clock)
+             --> executor thread owning that context: re-check deadlines, stack, execute, split
+             --> each request's own future, settled exactly once on the event loop
+
+Deadlines: a queued request whose deadline passes is answered 504 at that moment by its own timer (not when a
+context frees up) and is never executed; the executor thread checks again just before running the batch.
+
+An engine error fails only its batch (500 with the engine's reason); the model keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+
+from engines.base import Engine, EngineError, ExecutionContext
+from engines.datatypes import NUMPY_DTYPES
+
+from .batching import Pending, State, batch_is_full, plan_batch, shape_key, split_outputs, stack_inputs
+from .config import ModelConfig
+from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, Unavailable
+from .metrics import ModelMetrics
+from .signature import ModelSignature
+
+log = logging.getLogger(__name__)
+
+#: dynamic dims of warm-up inputs where the config gives no ``warmup_dims``.
+WARMUP_DIM = 32
+
+
+def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) -> dict[str, np.ndarray]:
+    """Zero inputs of ``rows`` rows; dynamic dims take ``warmup_dims`` from the config, else 32."""
+    declared = {i.name: i.warmup_dims for i in cfg.inputs}
+    out = {}
+    for spec in signature.inputs:
+        wd = declared.get(spec.name)
+        dims = [d if d != -1 else (wd[k] if wd and k < len(wd) else WARMUP_DIM) for k, d in enumerate(spec.shape[1:])]
+        dtype = NUMPY_DTYPES[spec.datatype]
+        out[spec.name] = (np.full((rows, *dims), b"", dtype=object) if spec.datatype == "BYTES"
+                          else np.zeros((rows, *dims), dtype=dtype))
+    return out
+
+
+class ModelRunner:
+    """One model version being served: its contexts, executor threads, queue and batcher task.
+
+    Create with :meth:`start` (loads nothing; takes a loaded engine) and stop with :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        engine: Engine,
+        contexts: Sequence[ExecutionContext],
+        signature: ModelSignature,
+        metrics: ModelMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.version = str(cfg.version)
+        self.engine = engine
+        self.signature = signature
+        self.metrics = metrics
+        self._contexts = list(contexts)
+        self._executors = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.name}-ctx{i}") for i in range(len(contexts))
+        ]
+        self._idle: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(contexts)):
+            self._idle.put_nowait(i)
+        self._queue: list[Pending] = []
+        self._depth = 0
+        self._wakeup = asyncio.Event()
+        self._delay_s = cfg.max_queue_delay_us / 1e6
+        self._max_batch = signature.max_batch_size
+        self._preferred = tuple(cfg.preferred_batch_sizes)
+        self._loop = asyncio.get_running_loop()
+        self._running: set[asyncio.Future] = set()
+        self._closing = False
+        self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
+
+    # ------------------------------------------------------------------ submit
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in the queue (not yet in an executing batch)."""
+        return self._depth
+
+    def validate(self, inputs: dict[str, np.ndarray], output_names: Sequence[str] = ()) -> int:
+        """Check a request against the signature; returns its rows. Raises InvalidInput (400)."""
+        rows = self.signature.check(self.name, inputs)
+        if output_names:
+            self.signature.check_outputs(self.name, output_names)
+        return rows
+
+    async def infer(
+        self, inputs: dict[str, np.ndarray], *, rows: int, received: float, timeout_us: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """Queue one validated request and wait for its outputs.
+
+        Args:
+            inputs: validated inputs (see :meth:`validate`), first dim ``rows``.
+            received: event-loop time (s, monotonic) the request arrived; the deadline counts from it.
+            timeout_us: the request's ``parameters.timeout`` in microseconds; None: the model's ``timeout_ms``.
+
+        Returns:
+            the request's rows of every output.
+
+        Raises:
+            Unavailable: queue full or model closing (503). DeadlineExceeded: deadline passed before execution
+            (504). ExecutionFailed: engine error for its batch (500).
+        """
+        m = self.metrics
+        try:
+            if self._closing:
+                raise Unavailable(f"model '{self.name}' is shutting down")
+            if self._depth >= self.cfg.max_queue_size:
+                raise Unavailable(
+                    f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})"
+                )
+            if timeout_us is not None:
+                deadline = received + timeout_us / 1e6
+            elif self.cfg.timeout_ms is not None:
+                deadline = received + self.cfg.timeout_ms / 1e3
+            else:
+                deadline = None
+            p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future())
+            if deadline is not None:
+                if deadline <= self._loop.time():
+                    raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
+                p.timer = self._loop.call_at(deadline, self._expire, p)
+            self._queue.append(p)
+            self._set_depth(self._depth + 1)
+            self._wakeup.set()
+            try:
+                result = await p.future
+            except asyncio.CancelledError:
+                if p.state is State.QUEUED:  # client went away while queued: never execute it
+                    self._settle_queued(p)
+                m.fail("canceled")
+                raise
+        except BatcherError as exc:
+            m.fail(exc.reason)
+            raise
+        m.success.inc()
+        return result
+
+    def _set_depth(self, n: int) -> None:
+        self._depth = n
+        self.metrics.queue_depth.set(n)
+
+    def _settle_queued(self, p: Pending) -> None:
+        """Take a QUEUED request out of the queue's count (it stays in the list until the next purge)."""
+        p.state = State.DONE
+        if p.timer is not None:
+            p.timer.cancel()
+        self._set_depth(self._depth - 1)
+
+    def _expire(self, p: Pending) -> None:
+        if p.state is not State.QUEUED:
+            return
+        self._settle_queued(p)
+        if not p.future.done():
+            waited_ms = (self._loop.time() - p.arrival) * 1e3
+            p.future.set_exception(
+                DeadlineExceeded(f"model '{self.name}': deadline expired after {waited_ms:.1f} ms in the queue")
+            )
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ batcher
+    async def _batcher(self) -> None:
+        while True:
+            idx = await self._idle.get()
+            try:
+                batch = await self._next_batch()
+            except asyncio.CancelledError:
+                self._idle.put_nowait(idx)
+                raise
+            now = self._loop.time()
+            for p in batch:
+                p.state = State.EXECUTING
+                if p.timer is not None:
+                    p.timer.cancel()
+                self.metrics.queue_duration.observe(now - p.arrival)
+            self._set_depth(self._depth - len(batch))
+            fut = self._loop.run_in_executor(self._executors[idx], self._execute, self._contexts[idx], batch)
+            self._running.add(fut)
+            fut.add_done_callback(partial(self._finish, idx, batch))
+
+    async def _next_batch(self) -> list[Pending]:
+        while True:
+            self._wakeup.clear()
+            if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
+                self._queue = [p for p in self._queue if p.state is State.QUEUED]
+            batch, rows = plan_batch(self._queue, self._max_batch)
+            if batch:
+                wait = batch[0].arrival + self._delay_s - self._loop.time()
+                if wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred):
+                    taken = set(map(id, batch))
+                    self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
+                    return batch
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await self._wakeup.wait()
+
+    def _execute(self, ctx: ExecutionContext, batch: list[Pending]) -> tuple[list, float, int]:
+        """Runs in the context's executor thread. Returns per-request results (dict or BatcherError)."""
+        now = time.monotonic()
+        live = [p for p in batch if p.deadline is None or now < p.deadline]
+        results: dict[int, object] = {}
+        for p in batch:
+            if p.deadline is not None and now >= p.deadline:
+                results[id(p)] = DeadlineExceeded(f"model '{self.name}': deadline expired before execution")
+        rows = sum(p.rows for p in live)
+        elapsed = 0.0
+        if live:
+            t0 = time.perf_counter()
+            try:
+                outputs = ctx.execute(stack_inputs(live))
+                parts = split_outputs(outputs, [p.rows for p in live])
+            except (EngineError, ValueError) as exc:
+                err = ExecutionFailed(f"model '{self.name}' failed on a batch of {rows} rows: {exc}")
+                parts = [err] * len(live)
+            elapsed = time.perf_counter() - t0
+            for p, part in zip(live, parts):
+                results[id(p)] = part
+        return [results[id(p)] for p in batch], elapsed, rows
+
+    def _finish(self, idx: int, batch: list[Pending], fut: asyncio.Future) -> None:
+        self._running.discard(fut)
+        self._idle.put_nowait(idx)
+        if fut.cancelled():
+            outcomes: list = [Unavailable(f"model '{self.name}' is shutting down")] * len(batch)
+        elif fut.exception() is not None:  # a bug, not an engine error: fail the batch, keep serving
+            log.error("model %s: batch failed", self.name, exc_info=fut.exception())
+            outcomes = [ExecutionFailed(f"model '{self.name}': {fut.exception()!r}")] * len(batch)
+        else:
+            outcomes, elapsed, rows = fut.result()
+            if rows:
+                m = self.metrics
+                m.execution_count.inc()
+                m.inference_count.inc(rows)
+                m.batch_size.observe(rows)
+                m.compute_duration.observe(elapsed)
+        for p, out in zip(batch, outcomes):
+            p.state = State.DONE
+            if p.future.done():  # client went away; its rows are discarded
+                continue
+            if isinstance(out, BaseException):
+                p.future.set_exception(out)
+            else:
+                p.future.set_result(out)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def close(self) -> None:
+        """Stop batching, answer queued requests 503, finish executing batches, release contexts and engine."""
+        self._closing = True
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for p in self._queue:
+            if p.state is State.QUEUED:
+                self._settle_queued(p)
+                if not p.future.done():
+                    p.future.set_exception(Unavailable(f"model '{self.name}' is shutting down"))
+        self._queue.clear()
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        for ex in self._executors:
+            ex.shutdown(wait=True)
+        for ctx in self._contexts:
+            ctx.release()
+        self.engine.release()

@@ -1,0 +1,137 @@
+"""A served model's signature: its inputs (with the dims the config declares), outputs and maximum batch.
+
+:meth:`ModelSignature.check` validates a decoded request against it before the request can reach a batch, so a
+bad request is answered with 400 on its own and never fails the other requests of a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.base import Engine, TensorSpec
+from engines.datatypes import NUMPY_DTYPES, from_numpy
+
+from .config import ModelConfig
+from .errors import ConfigError, InvalidInput
+
+#: max_batch_size where neither the engine (no optimization profile) nor the config gives one.
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+def _fmt(dims: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """Inputs and outputs as served; shapes are full shapes with the batch dim first (``-1``)."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+
+    @classmethod
+    def build(cls, engine: Engine, cfg: ModelConfig, where: str) -> ModelSignature:
+        """Combine the engine's tensors with the config's declared dims and max batch.
+
+        Args:
+            where: the config path of the model (``models[3]``), for messages.
+
+        Raises:
+            ConfigError: the config asks for more rows than the engine's profile allows, names an input the
+                model lacks, or declares dims that contradict the model's fixed dims or rank.
+        """
+        engine_max = engine.max_batch_size
+        for spec in engine.inputs:
+            if not spec.shape:
+                raise ConfigError(f"{where}: input {spec.name!r} is a scalar; the server needs a batch dimension")
+        if engine_max == 0:
+            raise ConfigError(
+                f"{where}: the model's batch dimension is fixed ({_fmt(engine.inputs[0].shape)}); "
+                "export it with a dynamic first dimension"
+            )
+        if cfg.max_batch_size is not None and engine_max is not None and cfg.max_batch_size > engine_max:
+            raise ConfigError(
+                f"{where}.max_batch_size: {cfg.max_batch_size} exceeds the engine profile maximum {engine_max}"
+            )
+        max_batch = cfg.max_batch_size or engine_max or DEFAULT_MAX_BATCH_SIZE
+        if any(p > max_batch for p in cfg.preferred_batch_sizes):
+            raise ConfigError(
+                f"{where}.preferred_batch_sizes: {cfg.preferred_batch_sizes} exceed max_batch_size {max_batch}"
+            )
+        declared = {i.name: i for i in cfg.inputs}
+        names = [s.name for s in engine.inputs]
+        for j, inp in enumerate(cfg.inputs):
+            if inp.name not in names:
+                raise ConfigError(f"{where}.inputs[{j}].name: model has no input {inp.name!r} (inputs: {names})")
+        inputs = []
+        for spec in engine.inputs:
+            dims = spec.shape[1:]
+            d = declared.get(spec.name)
+            if d is not None and d.dims is not None:
+                j = cfg.inputs.index(d)
+                if len(d.dims) != len(dims):
+                    raise ConfigError(
+                        f"{where}.inputs[{j}].dims: {d.dims} has {len(d.dims)} dims, the model's input "
+                        f"{spec.name!r} has {len(dims)} besides the batch dim ({_fmt(dims)})"
+                    )
+                for k, (mine, theirs) in enumerate(zip(d.dims, dims)):
+                    if theirs != -1 and mine != theirs:
+                        raise ConfigError(
+                            f"{where}.inputs[{j}].dims[{k}]: {mine} contradicts the model's fixed size {theirs}"
+                        )
+                dims = tuple(d.dims)
+            inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims)))
+        return cls(tuple(inputs), tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:])) for o in engine.outputs),
+                   max_batch)
+
+    def check(self, model: str, inputs: dict[str, np.ndarray]) -> int:
+        """Validate a request's inputs; return its number of rows (its batch dim).
+
+        Raises:
+            InvalidInput: unknown or missing input, wrong datatype, rank or fixed dim, rows differ between
+                inputs, zero rows, or more rows than ``max_batch_size`` (never split silently).
+        """
+        expected = [s.name for s in self.inputs]
+        for name in inputs:
+            if name not in expected:
+                raise InvalidInput(f"unknown input '{name}' for model '{model}'; expected inputs: {expected}")
+        rows = None
+        for spec in self.inputs:
+            arr = inputs.get(spec.name)
+            if arr is None:
+                raise InvalidInput(f"missing input '{spec.name}' for model '{model}'; expected inputs: {expected}")
+            if arr.dtype != NUMPY_DTYPES[spec.datatype]:
+                raise InvalidInput(
+                    f"input '{spec.name}': datatype {from_numpy(arr.dtype)} does not match the model's {spec.datatype}"
+                )
+            shape = arr.shape
+            if len(shape) != len(spec.shape) or any(
+                want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:])
+            ):
+                raise InvalidInput(
+                    f"input '{spec.name}': shape {_fmt(shape)} does not match the model's {_fmt(spec.shape)}"
+                )
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise InvalidInput(
+                    f"input '{spec.name}': batch dim {shape[0]} differs from the other inputs' {rows}"
+                )
+        if not rows:
+            raise InvalidInput(f"model '{model}': the batch dimension must be at least 1, got 0")
+        if rows > self.max_batch_size:
+            raise InvalidInput(
+                f"model '{model}': request of {rows} rows exceeds max_batch_size {self.max_batch_size}"
+            )
+        return rows
+
+    def check_outputs(self, model: str, names: Sequence[str]) -> None:
+        """Raises InvalidInput when a requested output does not exist."""
+        known = [o.name for o in self.outputs]
+        for name in names:
+            if name not in known:
+                raise InvalidInput(f"unknown output '{name}' for model '{model}'; outputs: {known}")

@@ -1,0 +1,1 @@
+"""Benchmarks and end-to-end checks for the trt-batcher inference server."""

@@ -1,0 +1,116 @@
+"""The engine contract every backend implements (ONNX Runtime now, TensorRT next).
+
+An :class:`Engine` is a loaded model: its named input/output tensors, the largest batch it accepts and its
+memory footprint. It hands out :class:`ExecutionContext` objects; a context holds everything one execution needs
+(an ONNX Runtime session, or a TensorRT ``IExecutionContext`` with its CUDA stream and buffers) and is NOT
+thread-safe: the caller must use one context from one thread at a time (the serving layer gives each context its
+own executor thread). Contexts may run side by side.
+
+Shapes include the batch dimension first; ``-1`` marks a dynamic dimension.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """A backend failed to load a model or to execute a batch; the message gives the backend's reason."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor of an engine.
+
+    Attributes:
+        name: tensor name as the model file declares it.
+        datatype: KServe v2 datatype (``"FP32"``, ``"INT64"``, ``"BYTES"``, ... see :mod:`engines.datatypes`).
+        shape: full shape, batch dimension first; ``-1`` for a dynamic dimension.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+class ExecutionContext(abc.ABC):
+    """One execution context of an engine. Not thread-safe: one thread at a time."""
+
+    @abc.abstractmethod
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch.
+
+        Args:
+            inputs: every input of the engine by name; each array's first dimension is the batch size ``n``
+                (``1 <= n <= engine.max_batch_size``), dtypes as the engine's :class:`TensorSpec` says.
+
+        Returns:
+            every output by name, each with first dimension ``n``.
+
+        Raises:
+            EngineError: the backend failed on this batch (the context stays usable).
+        """
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Memory held by this context in bytes, as measured or reported by the backend."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free the context's memory. Idempotent; the context must not be used afterwards."""
+
+
+class Engine(abc.ABC):
+    """A loaded model. Creating, using and releasing contexts is the caller's business."""
+
+    #: backend name, e.g. ``"onnxruntime"``.
+    backend: str = ""
+
+    @property
+    @abc.abstractmethod
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """Input tensors, in the model's order."""
+
+    @property
+    @abc.abstractmethod
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        """Output tensors, in the model's order."""
+
+    @property
+    @abc.abstractmethod
+    def max_batch_size(self) -> int | None:
+        """Largest batch the engine accepts (TensorRT: its optimization profile's maximum);
+        ``None`` where the model states no limit (ONNX with a dynamic batch dim): the config then decides."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Memory held by the engine itself (weights, plan), excluding its contexts, in bytes."""
+
+    @abc.abstractmethod
+    def create_context(self) -> ExecutionContext:
+        """Create a new execution context.
+
+        Raises:
+            EngineError: the backend could not create it (e.g. out of memory).
+        """
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free the engine. Release its contexts first. Idempotent."""
+
+    def input(self, name: str) -> TensorSpec:
+        """Return the input spec called ``name``.
+
+        Raises:
+            KeyError: no such input.
+        """
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)

@@ -1,0 +1,58 @@
+"""Pure tests of batch forming, stacking and splitting (no event loop)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batcher.batching import Pending, State, batch_is_full, plan_batch, shape_key, split_outputs, stack_inputs
+
+
+def _p(rows: int, width: int = 8, t: float = 0.0, dtype=np.float32) -> Pending:
+    inputs = {"x": np.full((rows, 3, width), t, dtype)}
+    return Pending(inputs, rows, shape_key(inputs), arrival=t)
+
+
+def test_shape_key_separates_shapes_and_dtypes_not_rows():
+    assert shape_key({"x": np.zeros((1, 3, 8))}) == shape_key({"x": np.zeros((5, 3, 8))})
+    assert shape_key({"x": np.zeros((1, 3, 8))}) != shape_key({"x": np.zeros((1, 3, 9))})
+    assert shape_key({"x": np.zeros((1, 3), np.float32)}) != shape_key({"x": np.zeros((1, 3), np.float64)})
+
+
+def test_batch_is_led_by_the_oldest_and_takes_only_its_shape():
+    q = [_p(1, 8, 0), _p(1, 16, 1), _p(2, 8, 2), _p(1, 16, 3), _p(1, 8, 4)]
+    batch, rows = plan_batch(q, 32)
+    assert batch == [q[0], q[2], q[4]] and rows == 4
+    q[0].state = State.DONE
+    q[2].state = State.DONE
+    q[4].state = State.DONE
+    batch, rows = plan_batch(q, 32)
+    assert batch == [q[1], q[3]] and rows == 2
+
+
+def test_rows_never_exceed_max_and_requests_are_not_split():
+    q = [_p(3), _p(4), _p(2), _p(1)]
+    batch, rows = plan_batch(q, 6)
+    assert batch == [q[0], q[2], q[3]] and rows == 6  # the 4-row request does not fit and waits, unsplit
+    assert plan_batch([], 6) == ([], 0)
+
+
+def test_full_and_preferred_sizes():
+    assert batch_is_full(8, 8)
+    assert not batch_is_full(7, 8)
+    assert batch_is_full(4, 8, (2, 4))
+    assert not batch_is_full(3, 8, (2, 4))
+
+
+def test_stack_and_split_round_trip_in_order():
+    q = [_p(1, t=1), _p(3, t=2), _p(2, t=3)]
+    stacked = stack_inputs(q)
+    assert stacked["x"].shape == (6, 3, 8)
+    parts = split_outputs({"y": stacked["x"][:, 0, 0] * 10}, [p.rows for p in q])
+    assert [part["y"].tolist() for part in parts] == [[10.0], [20.0] * 3, [30.0] * 2]
+    assert stack_inputs(q[:1])["x"] is q[0].inputs["x"]  # a lone request is not copied
+
+
+def test_split_rejects_outputs_without_the_batch_rows():
+    with pytest.raises(ValueError, match="expected 3 rows first"):
+        split_outputs({"y": np.zeros((2, 4))}, [1, 2])

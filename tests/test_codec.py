@@ -1,0 +1,160 @@
+"""Pure tests of the KServe v2 codec (JSON and binary tensor extension)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import orjson
+import pytest
+
+from batcher.codec import (
+    InferRequest,
+    RequestedOutput,
+    decode_bytes_elements,
+    decode_request,
+    encode_bytes_elements,
+    encode_response,
+)
+from batcher.errors import InvalidInput
+
+
+def _binary(inputs: list[tuple[dict, bytes]], **extra) -> tuple[bytes, str]:
+    head = orjson.dumps({"inputs": [t for t, _ in inputs], **extra})
+    return head + b"".join(b for _, b in inputs), str(len(head))
+
+
+@pytest.mark.parametrize(
+    "datatype,data,expected",
+    [
+        ("FP32", [[1, 2.5], [3, 4]], np.array([[1, 2.5], [3, 4]], np.float32)),
+        ("FP32", [1, 2.5, 3, 4], np.array([[1, 2.5], [3, 4]], np.float32)),
+        ("INT64", [1, -2, 3, 4], np.array([[1, -2], [3, 4]], np.int64)),
+        ("BOOL", [True, False, False, True], np.array([[True, False], [False, True]])),
+        ("FP16", [0.5, 1, 2, 3], np.array([[0.5, 1], [2, 3]], np.float16)),
+        ("UINT8", [0, 255, 1, 2], np.array([[0, 255], [1, 2]], np.uint8)),
+        ("INT8", [-128, 127, 0, 1], np.array([[-128, 127], [0, 1]], np.int8)),
+        ("INT32", [1, 2, 3, 4], np.array([[1, 2], [3, 4]], np.int32)),
+        ("FP64", [1, 2, 3, 4.25], np.array([[1, 2], [3, 4.25]], np.float64)),
+    ],
+)
+def test_json_tensors_flat_and_nested(datatype, data, expected):
+    body = orjson.dumps({"inputs": [{"name": "a", "datatype": datatype, "shape": [2, 2], "data": data}]})
+    req = decode_request(body)
+    got = req.inputs["a"]
+    assert got.dtype == expected.dtype and got.shape == (2, 2)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_json_bytes_tensor():
+    body = orjson.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1, 2], "data": ["héllo", ""]}]})
+    got = decode_request(body).inputs["s"]
+    assert got.dtype == object and got.tolist() == [["héllo".encode(), b""]]
+
+
+@pytest.mark.parametrize("datatype,dtype", [("FP32", "<f4"), ("INT64", "<i8"), ("FP16", "<f2"), ("UINT8", "u1"),
+                                            ("BOOL", "?"), ("FP64", "<f8"), ("INT8", "i1"), ("INT32", "<i4")])
+def test_binary_tensors_round_trip(datatype, dtype):
+    arr = (np.arange(24) % 2 if datatype == "BOOL" else np.arange(24)).astype(dtype).reshape(2, 3, 4)
+    body, n = _binary([({"name": "a", "datatype": datatype, "shape": [2, 3, 4],
+                         "parameters": {"binary_data_size": arr.nbytes}}, arr.tobytes())])
+    got = decode_request(body, n).inputs["a"]
+    np.testing.assert_array_equal(got, arr)
+    assert got.dtype == arr.dtype
+
+
+def test_binary_bytes_and_mixed_inputs_in_order():
+    s = np.array([b"ab", b"", b"xyz"], dtype=object)
+    f = np.arange(3, dtype=np.float32)
+    raw_s = encode_bytes_elements(s)
+    assert raw_s == struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0) + struct.pack("<I", 3) + b"xyz"
+    body, n = _binary([
+        ({"name": "s", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": len(raw_s)}}, raw_s),
+        ({"name": "j", "datatype": "FP32", "shape": [1], "data": [7]}, b""),
+        ({"name": "f", "datatype": "FP32", "shape": [3], "parameters": {"binary_data_size": 12}}, f.tobytes()),
+    ])
+    req = decode_request(body, n)
+    assert req.inputs["s"].tolist() == [b"ab", b"", b"xyz"]
+    np.testing.assert_array_equal(req.inputs["f"], f)
+    np.testing.assert_array_equal(req.inputs["j"], [7])
+
+
+@pytest.mark.parametrize(
+    "raw,count,fragment",
+    [
+        (b"\x05\x00\x00\x00ab", 1, "runs past the end"),
+        (b"\x01\x00", 1, "truncated BYTES length prefix"),
+        (b"\x01\x00\x00\x00a\x01\x00\x00\x00b", 1, "more than the 1 BYTES elements"),
+        (b"\x01\x00\x00\x00a", 2, "declares 2 BYTES elements, binary data holds 1"),
+    ],
+)
+def test_bad_bytes_length_prefixes(raw, count, fragment):
+    with pytest.raises(InvalidInput, match=fragment):
+        decode_bytes_elements(raw, count, "input 's'")
+
+
+@pytest.mark.parametrize(
+    "doc,fragment",
+    [
+        ({"inputs": [{"name": "a", "datatype": "INT8", "shape": [1], "data": [300]}]}, "out of range for INT8"),
+        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [1.5]}]}, "INT32 expects integers"),
+        ({"inputs": [{"name": "a", "datatype": "BOOL", "shape": [1], "data": [1]}]}, "BOOL expects true/false"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [[1], [2, 3]]}]}, "ragged"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, "non-negative integers"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}, "needs data or"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": 1}]}, "expected a list"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}] * 2}, "given twice"),
+        ({"inputs": [{"datatype": "FP32", "shape": [1], "data": [1]}]}, "name: expected a string"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "parameters": {"timeout": "soon"}}, "timeout: expected a non-negative integer"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "outputs": [{"name": "o", "parameters": {"classification": 3}}]}, "classification: not supported"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}], "id": 5}, "id: expected a string"),
+    ],
+)
+def test_bad_json_requests(doc, fragment):
+    with pytest.raises(InvalidInput, match=fragment):
+        decode_request(orjson.dumps(doc))
+
+
+def test_binary_bytes_left_over_are_rejected():
+    body, n = _binary([({"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}, b"\0\0\0\0")])
+    with pytest.raises(InvalidInput, match="4 bytes sent, inputs declare 0"):
+        decode_request(body, n)
+
+
+def test_request_parameters():
+    body = orjson.dumps({"id": "r1", "inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+                         "outputs": [{"name": "o", "parameters": {"binary_data": True}}, {"name": "p"}],
+                         "parameters": {"timeout": 5000, "binary_data_output": False}})
+    req = decode_request(body)
+    assert req.id == "r1" and req.timeout_us == 5000 and req.binary_output is False
+    assert req.outputs == [RequestedOutput("o", True), RequestedOutput("p", None)]
+
+
+def test_encode_json_and_binary_outputs():
+    outputs = {"o": np.array([[1.5, np.nan]], np.float32), "p": np.array([[1, 2]], np.int64)}
+    req = InferRequest(inputs={}, id="r1", outputs=[RequestedOutput("o", True), RequestedOutput("p")])
+    body, n = encode_response("m", "1", outputs, req)
+    head = orjson.loads(body[:n])
+    assert head == {"model_name": "m", "model_version": "1", "id": "r1", "outputs": [
+        {"name": "o", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}},
+        {"name": "p", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]},
+    ]}
+    got = np.frombuffer(body[n:], np.float32)
+    assert got[0] == 1.5 and np.isnan(got[1])
+
+
+def test_encode_json_non_finite_is_null_and_valid_json():
+    req = InferRequest(inputs={})
+    body, n = encode_response("m", "1", {"o": np.array([np.inf, -np.inf, np.nan, 2], np.float32)}, req)
+    assert n is None
+    assert orjson.loads(body)["outputs"][0]["data"] == [None, None, None, 2.0]
+
+
+def test_encode_bytes_output_json_and_binary():
+    arr = np.array([b"ab", b"c"], dtype=object)
+    body, n = encode_response("m", "1", {"s": arr}, InferRequest(inputs={}))
+    assert orjson.loads(body)["outputs"][0] == {"name": "s", "datatype": "BYTES", "shape": [2], "data": ["ab", "c"]}
+    body, n = encode_response("m", "1", {"s": arr}, InferRequest(inputs={}, binary_output=True))
+    assert decode_bytes_elements(body[n:], 2, "s").tolist() == [b"ab", b"c"]

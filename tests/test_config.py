@@ -1,0 +1,123 @@
+"""Config validation messages, signature checks and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from batcher.config import load_config, parse_config
+from batcher.errors import ConfigError, InvalidInput
+from batcher.signature import ModelSignature
+from engines.base import Engine, TensorSpec
+
+
+def test_default_config_serves_the_six_zoo_models():
+    cfg = load_config()
+    assert [m.name for m in cfg.models] == ["ppocr_det", "ppocr_cls", "ppocr_rec", "tiny_cnn", "mid_cnn", "resnet18"]
+    assert all(m.path == f"zoo:{m.name}" for m in cfg.models)
+    dims = {m.name: m.inputs[0].dims for m in cfg.models if m.inputs}
+    assert dims == {"ppocr_det": [3, -1, -1], "ppocr_cls": [3, 48, 192], "ppocr_rec": [3, 48, -1]}
+
+
+@pytest.mark.parametrize(
+    "models,fragment",
+    [
+        ([{"name": "a", "path": "p", "max_batch_size": 0}], "models[0].max_batch_size: Input should be greater than"
+                                                            " or equal to 1 (got 0)"),
+        ([{"name": "a", "path": "p"}, {"name": "b", "path": "p", "instances": "two"}], "models[1].instances:"),
+        ([{"name": "a", "path": "p", "max_queue_delay_us": -5}], "models[0].max_queue_delay_us"),
+        ([{"name": "a", "path": "p", "colour": "red"}], "models[0].colour: Extra inputs are not permitted"),
+        ([{"name": "a b", "path": "p"}], "models[0].name: model name must match"),
+        ([{"name": "a", "path": "p", "max_batch_size": 4, "preferred_batch_sizes": [8]}], "exceed max_batch_size 4"),
+        ([{"name": "a", "path": "p"}, {"name": "a", "path": "q"}], "configured twice"),
+        ([{"name": "a", "path": "p", "fallback": "zzz"}], "models[0].fallback: 'zzz' is not another configured model"),
+        ([{"name": "a", "path": "p", "inputs": [{"name": "x", "dims": [0]}]}], "models[0].inputs[0].dims"),
+        ([], "models: List should have at least 1 item"),
+    ],
+)
+def test_bad_values_are_reported_with_path_and_value(models, fragment):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"models": models})
+    assert fragment in str(exc.value)
+
+
+class ProfileEngine(Engine):
+    """A pure-logic engine with an optimization-profile maximum (what TensorRT engines report)."""
+
+    backend = "stub"
+
+    def __init__(self, max_batch: int | None, shape=(-1, 3, -1, -1)) -> None:
+        self._max = max_batch
+        self._in = (TensorSpec("x", "FP32", shape),)
+
+    inputs = property(lambda self: self._in)
+    outputs = property(lambda self: (TensorSpec("y", "FP32", (-1, 10)),))
+    max_batch_size = property(lambda self: self._max)
+    nbytes = property(lambda self: 0)
+
+    def create_context(self):
+        raise NotImplementedError
+
+    def release(self) -> None:
+        pass
+
+
+def _model(**kw):
+    return parse_config({"models": [{"name": "m", "path": "p", **kw}]}).models[0]
+
+
+def test_max_batch_above_the_profile_is_rejected_with_its_numbers():
+    with pytest.raises(ConfigError, match=r"models\[1\].max_batch_size: 64 exceeds the engine profile maximum 32"):
+        ModelSignature.build(ProfileEngine(32), _model(max_batch_size=64), "models[1]")
+    assert ModelSignature.build(ProfileEngine(32), _model(), "models[1]").max_batch_size == 32
+    assert ModelSignature.build(ProfileEngine(None), _model(), "models[1]").max_batch_size == 8
+    with pytest.raises(ConfigError, match="batch dimension is fixed"):
+        ModelSignature.build(ProfileEngine(0), _model(), "m")
+
+
+def test_declared_dims_narrow_and_must_agree_with_the_model():
+    sig = ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims": [3, 48, -1]}]), "m")
+    assert sig.inputs[0].shape == (-1, 3, 48, -1)
+    with pytest.raises(ConfigError, match=r"inputs\[0\].dims\[0\]: 4 contradicts the model's fixed size 3"):
+        ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims": [4, 48, -1]}]), "m")
+    with pytest.raises(ConfigError, match="has 2 dims"):
+        ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims": [3, 48]}]), "m")
+    with pytest.raises(ConfigError, match="model has no input 'z'"):
+        ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "z", "dims": [3]}]), "m")
+    with pytest.raises(InvalidInput, match=r"shape \[1, 3, 32, 8\] does not match the model's \[-1, 3, 48, -1\]"):
+        sig.check("m", {"x": np.zeros((1, 3, 32, 8), np.float32)})
+    assert sig.check("m", {"x": np.zeros((5, 3, 48, 8), np.float32)}) == 5
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batcher", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_help_describes_every_option():
+    top = _cli("--help")
+    assert top.returncode == 0 and "serve" in top.stdout and "check-config" in top.stdout
+    serve = _cli("serve", "--help")
+    assert serve.returncode == 0
+    for opt in ("--config", "--host", "--port", "--log-level", "--access-log", "configs/default.yaml"):
+        assert opt in serve.stdout, opt
+
+
+def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  - {name: m, path: zoo:tiny_cnn}\n  - {name: n, path: zoo:tiny_cnn, max_batch_size: -3}\n")
+    r = _cli("check-config", str(bad))
+    assert r.returncode == 2
+    assert "models[1].max_batch_size" in r.stderr and "(got -3)" in r.stderr
+    r = _cli("serve", "--config", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read config" in r.stderr
+
+
+def test_serve_fails_clearly_on_an_unknown_zoo_model(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - {name: m, path: 'zoo:nope'}\n")
+    r = _cli("serve", "--config", str(cfg), "--port", "0")
+    assert r.returncode == 2
+    assert "models[0].path" in r.stderr and "ppocr_det" in r.stderr

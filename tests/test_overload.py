@@ -1,0 +1,125 @@
+"""Deadlines, queue limits, body limits and engine failures against real servers (acceptance 4 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+import orjson
+
+MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "instances": 1, "intra_op_threads": 1, "max_batch_size": 8}
+
+
+def _binary_request(x: np.ndarray, timeout_us: int | None = None) -> dict:
+    head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                        "parameters": {"binary_data_size": x.nbytes}}],
+            "parameters": {"binary_data_output": True}}
+    if timeout_us is not None:
+        head["parameters"]["timeout"] = timeout_us
+    h = orjson.dumps(head)
+    return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
+
+
+async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_server):
+    """Acceptance 5: a 50 ms request queued behind a slow batch gets 504 within 50-100 ms and never executes."""
+    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    labels = {"model": "mid_cnn", "version": "1"}
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    big = np.ones((8, 3, 224, 224), np.float32)  # ~0.5 s on one thread
+    small = np.ones((1, 3, 224, 224), np.float32)
+    exe0 = server.metric("batcher_execution_count_total", **labels)
+    async with aiohttp.ClientSession() as s:
+
+        async def post(kwargs):
+            t0 = time.monotonic()
+            async with s.post(url, **kwargs) as r:
+                return r.status, await r.read(), time.monotonic() - t0
+
+        slow = asyncio.create_task(post(_binary_request(big)))
+        await asyncio.sleep(0.15)  # the big batch is executing now
+        status, body, elapsed = await post(_binary_request(small, timeout_us=50_000))
+        assert status == 504, body
+        assert "deadline expired" in orjson.loads(body)["error"]
+        assert 0.050 <= elapsed <= 0.100, elapsed
+        slow_status, _, slow_elapsed = await slow
+    assert slow_status == 200
+    assert slow_elapsed > 0.15  # the small request really waited behind it
+    assert server.metric("batcher_execution_count_total", **labels) - exe0 == 1
+    assert server.metric("batcher_inference_count_total", **labels) == 8
+    assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1
+
+
+async def test_queue_full_answers_503_with_retry_after(start_server):
+    """Acceptance 5: max_queue_size 4, 50 simultaneous requests: only 200s and 503s, adding up to 50."""
+    server = start_server({"models": [{**MID, "max_queue_size": 4, "max_queue_delay_us": 0}]})
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    x = np.ones((1, 3, 224, 224), np.float32)
+    depths: list[float] = []
+    async with aiohttp.ClientSession() as s:
+
+        async def post():
+            async with s.post(url, **_binary_request(x)) as r:
+                return r.status, r.headers.get("Retry-After"), await r.read()
+
+        async def watch_depth(stop: asyncio.Event):
+            while not stop.is_set():
+                async with s.get(f"{server.base}/metrics") as r:
+                    text = await r.text()
+                depths.extend(float(line.split()[-1]) for line in text.splitlines()
+                              if line.startswith("batcher_queue_depth{"))
+                await asyncio.sleep(0.01)
+
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_depth(stop))
+        results = await asyncio.gather(*(post() for _ in range(50)))
+        stop.set()
+        await watcher
+    statuses = [st for st, _, _ in results]
+    ok, rejected = statuses.count(200), statuses.count(503)
+    assert ok + rejected == 50, statuses
+    assert ok >= 4 and rejected >= 1
+    for st, retry_after, body in results:
+        if st == 503:
+            assert retry_after == "1"
+            assert "queue is full" in orjson.loads(body)["error"]
+    assert depths and max(depths) <= 4
+    labels = {"model": "mid_cnn", "version": "1"}
+    assert server.metric("batcher_request_failure_total", reason="rejected", **labels) == rejected
+    assert server.metric("batcher_request_success_total", **labels) == ok
+
+
+async def test_engine_error_fails_only_its_batch(start_server):
+    """Without declared dims the recogniser accepts height 96 and fails inside ONNX Runtime: 500 with the
+    engine's reason for that request only; the model keeps serving."""
+    server = start_server({"models": [{"name": "rec_raw", "path": "zoo:ppocr_rec", "max_batch_size": 4}]})
+    url = f"{server.base}/v2/models/rec_raw/infer"
+
+    def body(h):
+        return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, h, 64], "data": [0.5] * (3 * h * 64)}]}
+
+    async with aiohttp.ClientSession() as s:
+
+        async def post(b):
+            async with s.post(url, json=b) as r:
+                return r.status, await r.json()
+
+        results = await asyncio.gather(post(body(96)), post(body(48)))
+        assert results[0][0] == 500
+        assert "onnxruntime" in results[0][1]["error"] and "rec_raw" in results[0][1]["error"]
+        assert results[1][0] == 200
+        status, _ = await post(body(48))
+        assert status == 200
+    assert server.metric("batcher_request_failure_total", model="rec_raw", version="1", reason="backend") == 1
+
+
+async def test_body_over_limit_is_413(start_server):
+    server = start_server({"server": {"max_body_bytes": 4096},
+                           "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", data=b"x" * 5000) as r:
+            assert r.status == 413
+            assert "error" in await r.json()
+        async with s.get(f"{server.base}/v2/health/live") as r:
+            assert r.status == 200
