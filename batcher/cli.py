@@ -35,11 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a config file and print the models it serves",
                        description="Validate a YAML config (types, ranges, references) without loading models.")
     c.add_argument("path", metavar="PATH", nargs="?", help="YAML config (default: the embedded default)")
+
+    sub.add_parser("zoo", help="list the built-in models (zoo:<name>) with their files and parameter counts",
+                   description="Resolve every zoo model (generating the seed models on first use) and print a table.")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "zoo":
+        return _zoo()
     from .config import load_config
 
     try:
@@ -52,6 +57,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name} v{m.version}: {m.path} ({m.backend}, {m.device}, instances {m.instances})")
         return 0
     return _serve(config, args)
+
+
+def _zoo() -> int:
+    import onnx
+
+    from engines.zoo import ZOO_NAMES, count_parameters, resolve
+
+    print(f"{'name':<10} {'parameters':>12} {'file MB':>8}  path")
+    for name in ZOO_NAMES:
+        path = resolve(f"zoo:{name}")
+        params = count_parameters(onnx.load(str(path)))
+        print(f"{name:<10} {params:>12,} {path.stat().st_size / 1e6:>8.1f}  {path}")
+    return 0
 
 
 def _serve(config, args) -> int:

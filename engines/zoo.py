@@ -197,7 +197,8 @@ def count_parameters(model: "onnx.ModelProto") -> int:
     BatchNormalization running statistics (inputs 3 and 4, mean and var),
     which are buffers, not parameters. BatchNormalization scale and bias are
     counted, as in torch. Integer initializers (shapes, axes) are skipped.
-    Subgraphs and Constant nodes are not inspected.
+    Float tensors held by Constant nodes (where exporters such as paddle2onnx
+    put the weights) count too; subgraphs are not inspected.
     """
     import onnx
 
@@ -211,14 +212,22 @@ def count_parameters(model: "onnx.ModelProto") -> int:
         onnx.TensorProto.BFLOAT16,
         onnx.TensorProto.DOUBLE,
     }
+    tensors = [(init.name, init) for init in model.graph.initializer]
+    # Exporters such as paddle2onnx store weights as Constant nodes instead of initializers.
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    tensors.append((node.output[0], attr.t))
     total = 0
-    for init in model.graph.initializer:
-        if init.name in buffers or init.data_type not in float_types:
+    for name, tensor in tensors:
+        if name in buffers or tensor.data_type not in float_types:
             continue
         n = 1
-        for d in init.dims:
+        for d in tensor.dims:
             n *= int(d)
-        total += n
+        if n > 1 or tensor.dims:  # skip float scalars (epsilons, scales), count weight tensors
+            total += n
     return total
 
 
