@@ -49,6 +49,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             if k in exc.headers:
                 resp.headers[k] = exc.headers[k]
         return resp
+    except ConnectionResetError:  # the client went away mid-request: nothing to answer, nothing to log loudly
+        log.debug("client disconnected during %s %s", request.method, request.path)
+        raise
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal error: {exc!r}")
@@ -66,6 +69,7 @@ def create_app(config: Config) -> web.Application:
         registry = app[REGISTRY]
         await registry.start()
         yield
+        log.info("shutting down: releasing %d model(s)", sum(len(v) for v in registry.models.values()))
         await registry.close()
 
     app.cleanup_ctx.append(registry_ctx)

@@ -15,7 +15,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,12 +91,31 @@ def batch_is_full(rows: int, max_batch_size: int, preferred_batch_sizes: Sequenc
     return bool(preferred_batch_sizes) and rows >= preferred_batch_sizes[-1]
 
 
-def stack_inputs(batch: Sequence[Pending]) -> dict[str, np.ndarray]:
-    """Concatenate the batch's inputs along the batch dim (no copy for a batch of one request)."""
-    if len(batch) == 1:
-        return batch[0].inputs
-    names = batch[0].inputs.keys()
-    return {name: np.concatenate([p.inputs[name] for p in batch], axis=0) for name in names}
+def stack_inputs(
+    batch: Sequence[Pending], buffer: Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None] | None = None
+) -> dict[str, np.ndarray]:
+    """Concatenate the batch's inputs along the batch dim.
+
+    Args:
+        buffer: optional ``(name, shape, dtype) -> array | None`` giving the array to stack into (a GPU
+            context's pinned staging buffer, see ``ExecutionContext.host_buffer``), saving one copy.
+
+    Without a buffer a lone request's inputs are passed through uncopied.
+    """
+    out = {}
+    rows = sum(p.rows for p in batch)
+    for name, first in batch[0].inputs.items():
+        target = None
+        if buffer is not None and first.dtype != object:
+            target = buffer(name, (rows, *first.shape[1:]), first.dtype)
+        if target is not None:
+            np.concatenate([p.inputs[name] for p in batch], axis=0, out=target)
+            out[name] = target
+        elif len(batch) == 1:
+            out[name] = first
+        else:
+            out[name] = np.concatenate([p.inputs[name] for p in batch], axis=0)
+    return out
 
 
 def split_outputs(outputs: dict[str, np.ndarray], row_counts: Sequence[int]) -> list[dict[str, np.ndarray]]:

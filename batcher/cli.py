@@ -27,14 +27,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="YAML config (default: the embedded configs/default.yaml: three PP-OCR models and the "
                         "seed models tiny_cnn, mid_cnn, resnet18 on CPU)")
     s.add_argument("--host", help="address to bind (default: the config's server.host, 127.0.0.1)")
-    s.add_argument("--port", type=int, help="TCP port (default: the config's server.port, 8000)")
+    s.add_argument("--port", type=_port, help="TCP port, 0-65535 (default: the config's server.port, 8000)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="logging level (default: the config's server.log_level, info)")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (costs CPU)")
 
     c = sub.add_parser("check-config", help="validate a config file and print the models it serves",
-                       description="Validate a YAML config (types, ranges, references) without loading models.")
+                       description="Validate a YAML config: types, ranges, references and model paths; with "
+                                   "--load also load every model (dims, profile limits, a warm-up run).")
     c.add_argument("path", metavar="PATH", nargs="?", help="YAML config (default: the embedded default)")
+    c.add_argument("--load", action="store_true", help="load each model as serve would, then release it")
+
+    b = sub.add_parser("build", help="build a TensorRT plan from an ONNX model (needs TensorRT and a GPU)",
+                       description="Build a TensorRT engine plan from an ONNX model: optimization profiles, "
+                                   "precision, workspace, timing cache, version/hardware compatibility.")
+    from engines.trt_build import add_arguments
+
+    add_arguments(b)
 
     sub.add_parser("zoo", help="list the built-in models (zoo:<name>) with their files and parameter counts",
                    description="Resolve every zoo model (generating the seed models on first use) and print a table.")
@@ -45,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "zoo":
         return _zoo()
+    if args.command == "build":
+        from engines.trt_build import run
+
+        return run(args)
     from .config import load_config
 
     try:
@@ -53,10 +66,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batcher: {exc}", file=sys.stderr)
         return 2
     if args.command == "check-config":
-        for m in config.models:
-            print(f"{m.name} v{m.version}: {m.path} ({m.backend}, {m.device}, instances {m.instances})")
-        return 0
+        return _check(config, args.load)
     return _serve(config, args)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected 0-65535, got {port}")
+    return port
+
+
+def _check(config, load: bool) -> int:
+    from engines.zoo import ZooError, resolve
+
+    from .registry import load_model
+
+    problems = 0
+    for i, m in enumerate(config.models):
+        where = f"models[{i}]"
+        try:
+            path = resolve(m.path)
+            if not path.is_file():
+                raise ConfigError(f"{where}.path: {str(path)!r} is not a file")
+            if load:
+                loaded = load_model(m, where)
+                for ctx in loaded.contexts:
+                    ctx.release()
+                loaded.engine.release()
+        except (ZooError, ConfigError) as exc:
+            print(f"batcher: {where}: {exc}" if isinstance(exc, ZooError) else f"batcher: {exc}", file=sys.stderr)
+            problems += 1
+            continue
+        print(f"{m.name} v{m.version}: {path} ({m.backend}, {m.device}, instances {m.instances})")
+    return 2 if problems else 0
 
 
 def _zoo() -> int:
@@ -91,8 +137,10 @@ def _serve(config, args) -> int:
             host=server.host,
             port=server.port,
             access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
-            print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", server.host, server.port),
+            print=lambda _msg: log.info(
+                "serving KServe v2 on http://%s:%s", server.host, server.port or "<ephemeral port>"),
             handle_signals=True,
+            handler_cancellation=True,  # a client that goes away cancels its handler: queued work is dropped
         )
     except ConfigError as exc:
         log.error("%s", exc)
@@ -100,6 +148,7 @@ def _serve(config, args) -> int:
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", server.host, server.port, exc)
         return 1
+    log.info("stopped")
     return 0
 
 

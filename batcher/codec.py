@@ -34,6 +34,8 @@ from .errors import InvalidInput
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LEN = struct.Struct("<I")
+#: a dimension at or above this is rejected (numpy's own limit is 2**63; no real tensor comes near 2**31).
+MAX_DIM = 2**31
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class InferRequest:
         inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``).
         outputs: requested outputs in order; None means every output of the model.
         binary_output: the request-level ``binary_data_output`` default.
-        timeout_us: Triton's ``parameters.timeout`` (microseconds), if given.
+        timeout_us: Triton's ``parameters.timeout`` (microseconds), if given; 0 means "no timeout of its own"
+            (the model's ``timeout_ms`` applies), as in Triton.
     """
 
     inputs: dict[str, np.ndarray]
@@ -99,8 +102,11 @@ def decode_bytes_elements(raw: memoryview | bytes, count: int, where: str) -> np
     Raises:
         InvalidInput: a length prefix runs past the end, or bytes are left over, or the count differs.
     """
+    size = len(raw)
+    if count * 4 > size:  # every element needs its 4-byte prefix: reject before allocating anything
+        raise InvalidInput(f"{where}: shape declares {count} BYTES elements, {size} bytes cannot hold them")
     out = np.empty(count, dtype=object)
-    pos, n, size = 0, 0, len(raw)
+    pos, n = 0, 0
     while pos < size:
         if pos + 4 > size:
             raise InvalidInput(f"{where}: truncated BYTES length prefix at byte {pos}")
@@ -156,6 +162,10 @@ def _from_json(data: Any, datatype: str, dtype: np.dtype, count: int, where: str
             lo, hi = arr.min(), arr.max()
             if lo < info.min or hi > info.max:
                 raise InvalidInput(f"{where}.data: value {lo if lo < info.min else hi} is out of range for {datatype}")
+        elif dtype.kind == "f" and kind == "f" and arr.size and dtype.itemsize < arr.dtype.itemsize:
+            big = np.abs(arr).max()
+            if big > np.finfo(dtype).max:
+                raise InvalidInput(f"{where}.data: value {big:g} is out of range for {datatype}")
         arr = arr.astype(dtype, copy=False).ravel()
     if arr.size != count:
         raise InvalidInput(f"{where}: shape holds {count} elements, data has {arr.size}")
@@ -224,8 +234,10 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
         if datatype not in NUMPY_DTYPES:
             raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got {datatype!r}")
         shape = t.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise InvalidInput(f"{where}.shape: expected a list of non-negative integers, got {shape!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+        ):
+            raise InvalidInput(f"{where}.shape: expected a list of integers from 0 to {MAX_DIM - 1}, got {shape!r}")
         dtype = NUMPY_DTYPES[datatype]
         count = math.prod(shape)
         size = _int_param(_params(t, where), "binary_data_size", where + ".parameters")
@@ -267,6 +279,8 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
         for i, o in enumerate(raw_outputs):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {o!r}")
+            if any(r.name == o["name"] for r in outputs):
+                raise InvalidInput(f"outputs[{i}]: output '{o['name']}' is requested twice")
             op = _params(o, f"outputs[{i}]")
             if op.get("classification"):
                 raise InvalidInput(f"outputs[{i}].parameters.classification: not supported by this server")
@@ -280,7 +294,7 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
         id=rid,
         outputs=outputs,
         binary_output=bool(_bool_param(req_params, "binary_data_output", "request.parameters")),
-        timeout_us=_int_param(req_params, "timeout", "request.parameters"),
+        timeout_us=_int_param(req_params, "timeout", "request.parameters") or None,
         parameters=req_params,
     )
 

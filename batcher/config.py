@@ -37,7 +37,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "8" is not an int and true is not 1; a typo in a key is an error, not ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class InputConfig(_Strict):
@@ -66,21 +67,45 @@ class InputConfig(_Strict):
         return v
 
 
+class ProfileShapesConfig(_Strict):
+    """One input's shapes in a TensorRT optimization profile, batch dim included."""
+
+    min: list[int]
+    opt: list[int]
+    max: list[int]
+
+
+class TensorRTBuildConfig(_Strict):
+    """How ``backend: tensorrt`` builds a plan from an .onnx path (see ``batcher build --help``)."""
+
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    #: one entry per optimization profile: input name -> min/opt/max shapes.
+    profiles: list[dict[str, ProfileShapesConfig]] = Field(min_length=1)
+    workspace_mb: int | None = Field(None, ge=1)
+    version_compatible: bool = False
+    hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = "none"
+    calibration_dir: str | None = None
+
+
 class ModelConfig(_Strict):
     """One served model (one version of it)."""
 
     name: str
     version: int = Field(1, ge=1)
-    backend: Literal["onnxruntime"] = "onnxruntime"
-    #: a model file, or ``zoo:<name>`` for a built-in model (see :mod:`engines.zoo`).
+    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    #: a model file (.onnx; .plan/.engine for tensorrt), or ``zoo:<name>`` for a built-in model (:mod:`engines.zoo`).
     path: str
+    #: tensorrt only: which TensorRT runtime deserializes the plan (lean/dispatch run version-compatible plans).
+    runtime: Literal["auto", "full", "lean", "dispatch"] = "auto"
+    #: tensorrt only, for an .onnx path: how to build the plan (cached by content, TensorRT version, GPU).
+    build: TensorRTBuildConfig | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     #: execution contexts (each with its own executor thread), Triton's instance_group count.
     instances: int = Field(1, ge=1, le=64)
     #: intra-op threads of each ONNX Runtime context; 0 lets ONNX Runtime use every core.
     intra_op_threads: int = Field(1, ge=0, le=256)
     #: rows per batch at most; default: the engine's optimization profile maximum, else 8.
-    max_batch_size: int | None = Field(None, ge=1)
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
     #: how long a batch may wait for more rows, counted from its first queued request (microseconds).
     max_queue_delay_us: int = Field(0, ge=0, le=10_000_000)
     #: batch sizes the batcher dispatches at as soon as it reaches them (Triton's preferred_batch_size).
@@ -90,6 +115,10 @@ class ModelConfig(_Strict):
     #: default deadline of a request without ``parameters.timeout`` (ms); none: no deadline.
     timeout_ms: int | None = Field(None, ge=1)
     inputs: list[InputConfig] = []
+    #: batch sizes each context runs once at load, before the model is ready; default: every size from 1 to
+    #: max_batch_size on CUDA (cuDNN picks and caches kernels per shape: an unwarmed size costs a search on the
+    #: first real request), only 1 on CPU.
+    warmup_batch_sizes: list[int] | None = None
     #: another model that may take this model's requests (routing; validated here, used by the router).
     fallback: str | None = None
 
@@ -113,6 +142,10 @@ class ModelConfig(_Strict):
             raise ValueError(
                 f"preferred_batch_sizes {self.preferred_batch_sizes} exceed max_batch_size {self.max_batch_size}"
             )
+        if self.backend == "onnxruntime" and (self.build is not None or self.runtime != "auto"):
+            raise ValueError("build and runtime apply to backend tensorrt only")
+        if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
+            raise ValueError(f"warmup_batch_sizes must be >= 1, got {self.warmup_batch_sizes}")
         names = [i.name for i in self.inputs]
         if len(names) != len(set(names)):
             raise ValueError(f"inputs name an input twice: {names}")
@@ -124,6 +157,8 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     #: request bodies above this get 413.
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    #: a request body must arrive within this many seconds (slow or stalled uploads get 408).
+    read_timeout_s: float = Field(30.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -27,6 +27,13 @@ class InvalidInput(BatcherError):
     reason = "invalid"
 
 
+class RequestTimeout(BatcherError):
+    """The request body did not arrive within ``server.read_timeout_s``."""
+
+    status = 408
+    reason = "invalid"
+
+
 class ModelNotFound(BatcherError):
     """Unknown model or version."""
 

@@ -11,6 +11,9 @@ ours                                              Triton
 ``batcher_execution_count_total`` (batches run)   ``nv_inference_exec_count``
 ``batcher_queue_duration_seconds`` (histogram)    ``nv_inference_queue_duration_us``
 ``batcher_compute_duration_seconds`` (histogram)  ``nv_inference_compute_infer_duration_us``
+``batcher_compute_input_seconds_total``           ``nv_inference_compute_input_duration_us``
+``batcher_compute_infer_seconds_total``           ``nv_inference_compute_infer_duration_us`` (sum)
+``batcher_compute_output_seconds_total``          ``nv_inference_compute_output_duration_us``
 ``batcher_batch_size`` (histogram, rows)          (none; Triton only has the two counts above)
 ``batcher_queue_depth`` (gauge, requests)         ``nv_inference_pending_request_count``
 ================================================  ===============================================
@@ -61,6 +64,18 @@ class Metrics:
             "batcher_compute_duration_seconds", "Engine execution time of a batch (stack, run, split)",
             labels, buckets=LATENCY_BUCKETS_S, registry=r,
         )
+        self.compute_input = Counter(
+            "batcher_compute_input_seconds", "Time spent stacking batches' inputs (into pinned memory on GPU)",
+            labels, registry=r,
+        )
+        self.compute_infer = Counter(
+            "batcher_compute_infer_seconds", "Time spent in engine execution (copies, kernels, synchronisation)",
+            labels, registry=r,
+        )
+        self.compute_output = Counter(
+            "batcher_compute_output_seconds", "Time spent splitting batches' outputs back to requests",
+            labels, registry=r,
+        )
         self.batch_size = Histogram(
             "batcher_batch_size", "Rows per executed batch", labels, buckets=BATCH_BUCKETS, registry=r
         )
@@ -80,6 +95,9 @@ class Metrics:
             queue_duration=self.queue_duration.labels(*lv),
             compute_duration=self.compute_duration.labels(*lv),
             batch_size=self.batch_size.labels(*lv),
+            compute_input=self.compute_input.labels(*lv),
+            compute_infer=self.compute_infer.labels(*lv),
+            compute_output=self.compute_output.labels(*lv),
             queue_depth=self.queue_depth.labels(*lv),
         )
 
@@ -95,6 +113,9 @@ class ModelMetrics:
     compute_duration: Histogram
     batch_size: Histogram
     queue_depth: Gauge
+    compute_input: Counter
+    compute_infer: Counter
+    compute_output: Counter
 
     def fail(self, reason: str) -> None:
         self.failure.labels(*self.labels, reason).inc()

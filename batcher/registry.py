@@ -10,10 +10,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.base import Engine, EngineError, ExecutionContext
 from engines.onnxruntime import OnnxRuntimeEngine
-from engines.zoo import ZooError, resolve
+from engines.zoo import ZooError, cache_dir, resolve
 
 from .config import Config, ModelConfig
 from .errors import ConfigError, ModelNotFound
@@ -51,13 +52,14 @@ def load_model(cfg: ModelConfig, where: str) -> Loaded:
     contexts: list[ExecutionContext] = []
     engine: Engine | None = None
     try:
-        engine = OnnxRuntimeEngine(path, device=cfg.device, intra_op_threads=cfg.intra_op_threads)
+        engine = open_engine(cfg, path)
         signature = ModelSignature.build(engine, cfg, where)
-        sample = warmup_inputs(signature, cfg)
+        sizes = warmup_batch_sizes(cfg, signature.max_batch_size)
         for _ in range(cfg.instances):
             ctx = engine.create_context()
             contexts.append(ctx)
-            ctx.execute(sample)
+            for rows in sizes:
+                ctx.execute(warmup_inputs(signature, cfg, rows))
     except EngineError as exc:
         _release(engine, contexts)
         raise ConfigError(f"{where}: model {cfg.name!r} failed to load: {exc}") from None
@@ -65,6 +67,46 @@ def load_model(cfg: ModelConfig, where: str) -> Loaded:
         _release(engine, contexts)
         raise
     return Loaded(engine, contexts, signature, time.perf_counter() - t0)
+
+
+def open_engine(cfg: ModelConfig, path: Path) -> Engine:
+    """Open ``path`` with the config's backend; an .onnx file for ``tensorrt`` is built into a cached plan first.
+
+    Raises:
+        EngineError: the backend is not installed, the file cannot be loaded, or the build fails.
+    """
+    if cfg.backend == "onnxruntime":
+        return OnnxRuntimeEngine(path, device=cfg.device, intra_op_threads=cfg.intra_op_threads)
+    from engines.tensorrt import TensorRTEngine
+
+    if path.suffix == ".onnx":
+        from engines.trt_build import BuildOptions, cached_build
+
+        if cfg.build is None:
+            raise EngineError("an .onnx path with backend tensorrt needs a build block (profiles, precision)")
+        b = cfg.build
+        options = BuildOptions(
+            profiles=[{name: (tuple(p.min), tuple(p.opt), tuple(p.max)) for name, p in prof.items()}
+                      for prof in b.profiles],
+            precision=b.precision,
+            workspace_mb=b.workspace_mb,
+            version_compatible=b.version_compatible,
+            hardware_compatibility=b.hardware_compatibility,
+            calibration_dir=Path(b.calibration_dir) if b.calibration_dir else None,
+        )
+        path = cached_build(path, options, cache_dir() / "plans")
+    return TensorRTEngine(path, runtime=cfg.runtime)
+
+
+def warmup_batch_sizes(cfg: ModelConfig, max_batch_size: int) -> list[int]:
+    """The config's ``warmup_batch_sizes`` (capped at ``max_batch_size``), else 1..max on CUDA and [1] on CPU."""
+    if cfg.warmup_batch_sizes is not None:
+        sizes = sorted({min(b, max_batch_size) for b in cfg.warmup_batch_sizes})
+    elif cfg.device == "cuda":
+        sizes = list(range(1, max_batch_size + 1))
+    else:
+        sizes = [1]
+    return sizes
 
 
 def _release(engine: Engine | None, contexts: list[ExecutionContext]) -> None:

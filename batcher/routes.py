@@ -12,11 +12,11 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .codec import HEADER_LENGTH, decode_request, encode_response
-from .errors import InvalidInput, Unavailable
-from .keys import METRICS, REGISTRY
+from .errors import InvalidInput, RequestTimeout, Unavailable
+from .keys import CONFIG, METRICS, REGISTRY
 from .scheduler import ModelRunner
 
-#: bodies larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
+#: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
 OFFLOAD_BYTES = 256 * 1024
 
 _TRITON_TYPES = {dt: ("TYPE_STRING" if dt == "BYTES" else f"TYPE_{dt}") for dt in NUMPY_DTYPES}
@@ -26,6 +26,13 @@ routes = web.RouteTableDef()
 
 def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _int_or(text: str, default: int) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return default  # decode_request reports the bad header
 
 
 def _runner(request: web.Request) -> ModelRunner:
@@ -116,10 +123,17 @@ async def infer(request: web.Request) -> web.Response:
     if not request.app[REGISTRY].ready:
         raise Unavailable("server is not ready")
     runner = _runner(request)
-    body = await request.read()
+    try:
+        body = await asyncio.wait_for(request.read(), request.app[CONFIG].server.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(
+            f"request body not received within server.read_timeout_s = {request.app[CONFIG].server.read_timeout_s} s"
+        ) from None
     header_length = request.headers.get(HEADER_LENGTH)
     try:
-        if len(body) > OFFLOAD_BYTES:
+        # Binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread.
+        json_bytes = len(body) if header_length is None else _int_or(header_length, len(body))
+        if json_bytes > OFFLOAD_BYTES:
             req = await loop.run_in_executor(None, decode_request, body, header_length)
         else:
             req = decode_request(body, header_length)

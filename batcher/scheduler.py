@@ -218,8 +218,13 @@ class ModelRunner:
             else:
                 await self._wakeup.wait()
 
-    def _execute(self, ctx: ExecutionContext, batch: list[Pending]) -> tuple[list, float, int]:
-        """Runs in the context's executor thread. Returns per-request results (dict or BatcherError)."""
+    def _execute(self, ctx: ExecutionContext, batch: list[Pending]) -> tuple[list, tuple[float, float, float], int]:
+        """Runs in the context's executor thread.
+
+        Returns:
+            per-request outcomes (output dict or BatcherError) in batch order, the seconds spent stacking
+            inputs, executing and splitting outputs, and the rows executed.
+        """
         now = time.monotonic()
         live = [p for p in batch if p.deadline is None or now < p.deadline]
         results: dict[int, object] = {}
@@ -227,19 +232,23 @@ class ModelRunner:
             if p.deadline is not None and now >= p.deadline:
                 results[id(p)] = DeadlineExceeded(f"model '{self.name}': deadline expired before execution")
         rows = sum(p.rows for p in live)
-        elapsed = 0.0
+        t0 = t1 = t2 = t3 = 0.0
         if live:
             t0 = time.perf_counter()
             try:
-                outputs = ctx.execute(stack_inputs(live))
+                stacked = stack_inputs(live, ctx.host_buffer)
+                t1 = time.perf_counter()
+                outputs = ctx.execute(stacked)
+                t2 = time.perf_counter()
                 parts = split_outputs(outputs, [p.rows for p in live])
             except (EngineError, ValueError) as exc:
                 err = ExecutionFailed(f"model '{self.name}' failed on a batch of {rows} rows: {exc}")
                 parts = [err] * len(live)
-            elapsed = time.perf_counter() - t0
+                t1 = t2 = t1 or time.perf_counter()
+            t3 = time.perf_counter()
             for p, part in zip(live, parts):
                 results[id(p)] = part
-        return [results[id(p)] for p in batch], elapsed, rows
+        return [results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows
 
     def _finish(self, idx: int, batch: list[Pending], fut: asyncio.Future) -> None:
         self._running.discard(fut)
@@ -250,13 +259,16 @@ class ModelRunner:
             log.error("model %s: batch failed", self.name, exc_info=fut.exception())
             outcomes = [ExecutionFailed(f"model '{self.name}': {fut.exception()!r}")] * len(batch)
         else:
-            outcomes, elapsed, rows = fut.result()
+            outcomes, (t_input, t_infer, t_output), rows = fut.result()
             if rows:
                 m = self.metrics
                 m.execution_count.inc()
                 m.inference_count.inc(rows)
                 m.batch_size.observe(rows)
-                m.compute_duration.observe(elapsed)
+                m.compute_duration.observe(t_input + t_infer + t_output)
+                m.compute_input.inc(t_input)
+                m.compute_infer.inc(t_infer)
+                m.compute_output.inc(t_output)
         for p, out in zip(batch, outcomes):
             p.state = State.DONE
             if p.future.done():  # client went away; its rows are discarded

@@ -55,6 +55,15 @@ class ExecutionContext(abc.ABC):
             EngineError: the backend failed on this batch (the context stays usable).
         """
 
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A writable host array for input ``name`` that :meth:`execute` reads without a further copy
+        (a GPU context's pinned staging buffer), or None where the backend has none (CPU).
+
+        The caller may stack a batch straight into it and pass it to :meth:`execute`; it stays valid until the
+        next call on this context.
+        """
+        return None
+
     @property
     @abc.abstractmethod
     def nbytes(self) -> int:

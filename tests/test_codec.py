@@ -83,9 +83,10 @@ def test_binary_bytes_and_mixed_inputs_in_order():
     "raw,count,fragment",
     [
         (b"\x05\x00\x00\x00ab", 1, "runs past the end"),
-        (b"\x01\x00", 1, "truncated BYTES length prefix"),
+        (b"\x00\x00\x00\x00\x01\x00", 1, "truncated BYTES length prefix"),
         (b"\x01\x00\x00\x00a\x01\x00\x00\x00b", 1, "more than the 1 BYTES elements"),
-        (b"\x01\x00\x00\x00a", 2, "declares 2 BYTES elements, binary data holds 1"),
+        (b"\x04\x00\x00\x00abcd", 2, "declares 2 BYTES elements, binary data holds 1"),
+        (b"\x04\x00\x00\x00abcd", 10**9, "8 bytes cannot hold them"),  # rejected before allocating
     ],
 )
 def test_bad_bytes_length_prefixes(raw, count, fragment):
@@ -100,7 +101,12 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
         ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [1.5]}]}, "INT32 expects integers"),
         ({"inputs": [{"name": "a", "datatype": "BOOL", "shape": [1], "data": [1]}]}, "BOOL expects true/false"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [[1], [2, 3]]}]}, "ragged"),
-        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, "non-negative integers"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, "integers from 0 to"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [0, 2**40], "data": []}]}, "integers from 0 to"),
+        ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [10**9], "data": ["x"]}]}, "shape holds"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "value 1e.39 is out of range for FP32"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "outputs": [{"name": "o"}, {"name": "o"}]}, "output 'o' is requested twice"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}, "needs data or"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": 1}]}, "expected a list"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}] * 2}, "given twice"),
@@ -115,6 +121,12 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
 def test_bad_json_requests(doc, fragment):
     with pytest.raises(InvalidInput, match=fragment):
         decode_request(orjson.dumps(doc))
+
+
+def test_timeout_zero_means_the_model_default():
+    body = orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+                         "parameters": {"timeout": 0}})
+    assert decode_request(body).timeout_us is None
 
 
 def test_binary_bytes_left_over_are_rejected():

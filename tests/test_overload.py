@@ -123,3 +123,45 @@ async def test_body_over_limit_is_413(start_server):
             assert "error" in await r.json()
         async with s.get(f"{server.base}/v2/health/live") as r:
             assert r.status == 200
+
+
+async def test_client_that_goes_away_while_queued_is_never_executed(start_server):
+    """A queued request whose client disconnects is dropped: it never runs and counts as canceled."""
+    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    labels = {"model": "mid_cnn", "version": "1"}
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    async with aiohttp.ClientSession() as s:
+
+        async def post(x):
+            async with s.post(url, **_binary_request(x)) as r:
+                return r.status
+
+        slow = asyncio.create_task(post(np.ones((8, 3, 224, 224), np.float32)))
+        await asyncio.sleep(0.15)
+        quitters = [asyncio.create_task(post(np.ones((1, 3, 224, 224), np.float32))) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        for q in quitters:
+            q.cancel()  # closes the connection while the request waits in the queue
+        await asyncio.gather(*quitters, return_exceptions=True)
+        assert await slow == 200
+    for _ in range(50):
+        if server.metric("batcher_request_failure_total", reason="canceled", **labels) == 5:
+            break
+        await asyncio.sleep(0.05)
+    assert server.metric("batcher_request_failure_total", reason="canceled", **labels) == 5
+    assert server.metric("batcher_execution_count_total", **labels) == 1
+    assert server.metric("batcher_inference_count_total", **labels) == 8
+    assert server.metric("batcher_queue_depth", **labels) == 0
+
+
+async def test_stalled_upload_gets_408(start_server):
+    server = start_server({"server": {"read_timeout_s": 0.3}, "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v2/models/tiny_cnn/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inp")
+    await writer.drain()
+    t0 = loop.time()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert 0.25 <= loop.time() - t0 <= 2.0
+    writer.close()

@@ -1,0 +1,112 @@
+"""Start and stop a real `batcher serve` process on 127.0.0.1 (used by the benches and the tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A running ``python -m batcher serve``; ``url`` is host:port (tritonclient), ``base`` http://host:port.
+
+    Args:
+        config: a config dict (written to ``workdir/config.yaml``), a path to a YAML file, or None for the
+            embedded default config.
+        workdir: where the config and the server's log go.
+        env: extra environment variables for the server.
+
+    Raises:
+        RuntimeError: the server exited or was not ready within ``timeout_s``; the message holds its log.
+    """
+
+    def __init__(self, config: dict | str | Path | None, workdir: Path, *, env: dict[str, str] | None = None,
+                 timeout_s: float = 180.0, name: str = "server") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.base = f"http://{self.url}"
+        cmd = [sys.executable, "-m", "batcher", "serve", "--port", str(self.port)]
+        if isinstance(config, dict):
+            path = workdir / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            cmd += ["--config", str(path)]
+        elif config is not None:
+            cmd += ["--config", str(config)]
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.base + "/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics as {(sample name, sorted labels): value}."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample's value (0.0 when absent, e.g. a counter never incremented)."""
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 30 s; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
