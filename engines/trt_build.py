@@ -37,9 +37,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .files import atomic_write
 from .base import EngineError
 
 __all__ = [
@@ -389,23 +388,6 @@ def _load_full_tensorrt() -> ModuleType:
         ) from exc
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _convert_fp16(onnx_bytes: bytes) -> bytes:
     try:
         from onnxconverter_common import float16
@@ -546,7 +528,7 @@ def build_plan(onnx_bytes: bytes, options: BuildOptions, *, onnx_path: Path | No
     if serialized is None:
         raise BuildError("TensorRT build_serialized_network failed; its log above gives the reason")
     if options.timing_cache is not None:
-        _atomic_write(options.timing_cache, bytes(config.get_timing_cache().serialize()))
+        atomic_write(options.timing_cache, bytes(config.get_timing_cache().serialize()))
     return bytes(serialized)
 
 
@@ -575,7 +557,7 @@ def cached_build(onnx_path: Path, options: BuildOptions, cache_dir: Path, *, dev
     if target.is_file():
         return target
     plan = build_plan(onnx_bytes, options, onnx_path=Path(onnx_path))
-    _atomic_write(target, plan)
+    atomic_write(target, plan)
     return target
 
 
@@ -694,14 +676,14 @@ def run(args: argparse.Namespace) -> int:
         if args.cache_dir is not None:
             plan_path = cached_build(model, options, args.cache_dir)
             if args.output is not None:
-                _atomic_write(args.output, plan_path.read_bytes())
+                atomic_write(args.output, plan_path.read_bytes())
                 plan_path = args.output
         else:
             try:
                 onnx_bytes = model.read_bytes()
             except OSError as exc:
                 raise BuildError(f"cannot read ONNX model {model}: {exc.strerror}") from exc
-            _atomic_write(args.output, build_plan(onnx_bytes, options, onnx_path=model))
+            atomic_write(args.output, build_plan(onnx_bytes, options, onnx_path=model))
             plan_path = args.output
     except EngineError as exc:  # BuildError, or TensorRTError (no usable GPU)
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -37,8 +37,9 @@ import importlib.util
 import inspect
 import os
 import pathlib
-import tempfile
 from typing import TYPE_CHECKING, Callable
+
+from .files import atomic_write
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -169,21 +170,7 @@ def _cached_seed_path(name: str) -> pathlib.Path:
     target = directory / f"{name}-v{GENERATOR_VERSION}.onnx"
     if target.is_file():
         return target
-    data = build_seed_model(name).SerializeToString()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".onnx.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(target, build_seed_model(name).SerializeToString())
     return target
 
 

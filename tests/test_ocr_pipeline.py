@@ -7,9 +7,7 @@ running server lives in tests/test_e2e_ocr.py.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
