@@ -87,6 +87,14 @@ class TensorRTBuildConfig(_Strict):
     calibration_dir: str | None = None
 
 
+class LatestPolicy(_Strict):
+    latest: int = Field(ge=1)
+
+
+class SpecificPolicy(_Strict):
+    specific: list[int] = Field(min_length=1)
+
+
 class ModelConfig(_Strict):
     """One served model (one version of it)."""
 
@@ -119,8 +127,15 @@ class ModelConfig(_Strict):
     #: max_batch_size on CUDA (cuDNN picks and caches kernels per shape: an unwarmed size costs a search on the
     #: first real request), only 1 on CPU.
     warmup_batch_sizes: list[int] | None = None
-    #: another model that may take this model's requests (routing; validated here, used by the router).
+    #: another model that takes this model's requests when this one is unavailable (not loadable, or no room in the
+    #: memory budget) or its queue holds fallback_queue_depth requests or more; responses name the model that ran.
     fallback: str | None = None
+    fallback_queue_depth: int | None = Field(None, ge=1)
+    #: lru: the footprint to assume before the model's first load (MB); default (1 + 2 x instances) x file size + 32.
+    memory_mb: float | None = Field(None, gt=0)
+    #: which of this name's configured versions are served (Triton's version_policy): {latest: N}, "all", or
+    #: {specific: [...]}. Read from the entry with the highest version of the name.
+    version_policy: Literal["all"] | LatestPolicy | SpecificPolicy = "all"
 
     @field_validator("name")
     @classmethod
@@ -160,10 +175,42 @@ class ServerConfig(_Strict):
     #: a request body must arrive within this many seconds (slow or stalled uploads get 408).
     read_timeout_s: float = Field(30.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: eager: every model loaded and warmed before the server is ready; lazy: loaded on first use; lru: lazy, and
+    #: least recently used idle models are unloaded so that the loaded ones fit memory_budget_mb.
+    load_strategy: Literal["eager", "lazy", "lru"] = "eager"
+    #: lru only: the memory the loaded models may take (MB = 2**20 bytes), counted per model as measured at load.
+    memory_budget_mb: float | None = Field(None, gt=0)
+    #: a request for a model that is not loaded: wait for the load within its deadline, or get 503 at once
+    #: (the load starts either way).
+    on_cold: Literal["wait", "reject"] = "wait"
+    #: the KServe/Triton repository extension (/v2/repository/...): off unless enabled.
+    repository_api: bool = False
+    #: when set, repository requests need ``Authorization: Bearer <token>``.
+    repository_token: str | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> ServerConfig:
+        if self.load_strategy == "lru" and self.memory_budget_mb is None:
+            raise ValueError("load_strategy lru needs memory_budget_mb")
+        return self
+
+
+class RoutingConfig(_Strict):
+    """Request routing (seed design)."""
+
+    #: a request for a model that is not configured: 404.
+    unknown_model: Literal["reject"] = "reject"
+    #: a request naming a version that is not loadable (unknown or outside the version policy): serve it with the
+    #: model's default version (fallback) or answer 404 (reject).
+    version_mismatch: Literal["fallback", "reject"] = "reject"
+    #: how a batch picks an instance: contexts take batches from one shared queue as they become idle, which is
+    #: least-queue by construction (no per-instance queues to balance).
+    strategy: Literal["least_queue"] = "least_queue"
 
 
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
+    routing: RoutingConfig = RoutingConfig()
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -27,6 +27,13 @@ class InvalidInput(BatcherError):
     reason = "invalid"
 
 
+class Unauthorized(BatcherError):
+    """A repository request without the configured bearer token."""
+
+    status = 401
+    reason = "invalid"
+
+
 class RequestTimeout(BatcherError):
     """The request body did not arrive within ``server.read_timeout_s``."""
 

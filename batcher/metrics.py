@@ -83,6 +83,25 @@ class Metrics:
             "batcher_queue_depth", "Requests waiting in the model's queue", labels, registry=r
         )
 
+        # model lifecycle and memory (load strategies, LRU budget)
+        self.model_loaded = Gauge("batcher_model_loaded", "1 while the model version is loaded and ready, else 0",
+                                  labels, registry=r)
+        self.model_memory = Gauge(
+            "batcher_model_memory_bytes",
+            "Memory of a loaded model: kind=budgeted (counted against the budget), footprint (engine + contexts as "
+            "the backend reports), measured (growth measured at load)", (*labels, "kind"), registry=r,
+        )
+        self.memory_used = Gauge("batcher_memory_used_bytes", "Memory counted against the budget by loaded models",
+                                 registry=r)
+        self.memory_budget = Gauge("batcher_memory_budget_bytes", "The lru memory budget (0: none)", registry=r)
+        self.model_load = Counter("batcher_model_load", "Model loads", labels, registry=r)
+        self.model_unload = Counter("batcher_model_unload", "Model unloads by reason (evict: lru; unload: request)",
+                                    (*labels, "reason"), registry=r)
+        self.model_load_duration = Histogram(
+            "batcher_model_load_duration_seconds", "Time to load a model (engine, contexts, warm-up)", labels,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,
+        )
+
     def for_model(self, model: str, version: str) -> ModelMetrics:
         """Children bound to one model version (label lookups done once, off the hot path)."""
         lv = (model, version)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
@@ -12,12 +15,15 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .codec import HEADER_LENGTH, decode_request, encode_response
-from .errors import InvalidInput, RequestTimeout, Unavailable
+from .errors import InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
 from .keys import CONFIG, METRICS, REGISTRY
-from .scheduler import ModelRunner
+from .registry import READY, ConfigError, ModelSlot
+from .signature import ModelSignature
 
 #: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
 OFFLOAD_BYTES = 256 * 1024
+
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 
 _TRITON_TYPES = {dt: ("TYPE_STRING" if dt == "BYTES" else f"TYPE_{dt}") for dt in NUMPY_DTYPES}
 
@@ -35,8 +41,15 @@ def _int_or(text: str, default: int) -> int:
         return default  # decode_request reports the bad header
 
 
-def _runner(request: web.Request) -> ModelRunner:
-    return request.app[REGISTRY].get(request.match_info["model"], request.match_info.get("version"))
+@contextlib.asynccontextmanager
+async def _use(request: web.Request, deadline: float | None = None) -> AsyncIterator[ModelSlot]:
+    """Route to a loaded model (loading it if the strategy allows) and keep it pinned while the request runs."""
+    registry = request.app[REGISTRY]
+    slot = await registry.acquire(request.match_info["model"], request.match_info.get("version"), deadline)
+    try:
+        yield slot
+    finally:
+        registry.release(slot)
 
 
 @routes.get("/v2/health/live")
@@ -52,45 +65,55 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/v2")
 async def server_metadata(request: web.Request) -> web.Response:
-    return _json({
-        "name": "trt-batcher",
-        "version": __version__,
-        "extensions": ["binary_tensor_data", "model_configuration"],
-    })
+    extensions = ["binary_tensor_data", "model_configuration"]
+    if request.app[CONFIG].server.repository_api:
+        extensions.append("model_repository")
+    return _json({"name": "trt-batcher", "version": __version__, "extensions": extensions})
 
 
 def _tensors(specs) -> list[dict]:
     return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
 
 
+async def _signature(request: web.Request) -> tuple[ModelSlot, ModelSignature]:
+    """The slot and its signature; a model never loaded yet is loaded (lazy/lru) to learn it."""
+    slot = request.app[REGISTRY].slot(request.match_info["model"], request.match_info.get("version"))
+    if slot.signature is None:
+        async with _use(request):
+            pass
+    if slot.signature is None:
+        raise Unavailable(f"model '{slot.name}' is not loaded: {slot.reason}")
+    return slot, slot.signature
+
+
 @routes.get("/v2/models/{model}")
 @routes.get("/v2/models/{model}/versions/{version}")
 async def model_metadata(request: web.Request) -> web.Response:
-    runner = _runner(request)
-    versions = sorted(request.app[REGISTRY].models[runner.name], key=int)
+    slot, sig = await _signature(request)
+    versions = sorted((v for v, s in request.app[REGISTRY].slots[slot.name].items() if s.selected), key=int)
     return _json({
-        "name": runner.name,
+        "name": slot.name,
         "versions": versions,
-        "platform": "onnxruntime_onnx",
-        "inputs": _tensors(runner.signature.inputs),
-        "outputs": _tensors(runner.signature.outputs),
+        "platform": PLATFORMS[slot.cfg.backend],
+        "inputs": _tensors(sig.inputs),
+        "outputs": _tensors(sig.outputs),
     })
 
 
 @routes.get("/v2/models/{model}/ready")
 @routes.get("/v2/models/{model}/versions/{version}/ready")
 async def model_ready(request: web.Request) -> web.Response:
-    runner = _runner(request)
-    ok = request.app[REGISTRY].ready
-    return _json({"name": runner.name, "ready": ok}, 200 if ok else 503)
+    slot = request.app[REGISTRY].slot(request.match_info["model"], request.match_info.get("version"))
+    ok = request.app[REGISTRY].ready and slot.state == READY
+    return _json({"name": slot.name, "ready": ok}, 200 if ok else 503)
 
 
 @routes.get("/v2/models/{model}/config")
 @routes.get("/v2/models/{model}/versions/{version}/config")
 async def model_config(request: web.Request) -> web.Response:
     """The model's configuration in Triton's model-config JSON form (what perf_analyzer and tritonclient read)."""
-    runner = _runner(request)
-    cfg, sig = runner.cfg, runner.signature
+    slot, sig = await _signature(request)
+    cfg = slot.cfg
 
     def tensors(specs):
         return [{"name": s.name, "data_type": _TRITON_TYPES[s.datatype], "dims": list(s.shape[1:])} for s in specs]
@@ -105,7 +128,7 @@ async def model_config(request: web.Request) -> web.Response:
     }
     return _json({
         "name": cfg.name,
-        "platform": "onnxruntime_onnx",
+        "platform": PLATFORMS[cfg.backend],
         "backend": cfg.backend,
         "max_batch_size": sig.max_batch_size,
         "input": tensors(sig.inputs),
@@ -120,9 +143,10 @@ async def model_config(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     received = loop.time()
-    if not request.app[REGISTRY].ready:
+    registry = request.app[REGISTRY]
+    if not registry.ready:
         raise Unavailable("server is not ready")
-    runner = _runner(request)
+    registry.slot(request.match_info["model"], request.match_info.get("version"))  # 404 before reading the body
     try:
         body = await asyncio.wait_for(request.read(), request.app[CONFIG].server.read_timeout_s)
     except asyncio.TimeoutError:
@@ -130,18 +154,28 @@ async def infer(request: web.Request) -> web.Response:
             f"request body not received within server.read_timeout_s = {request.app[CONFIG].server.read_timeout_s} s"
         ) from None
     header_length = request.headers.get(HEADER_LENGTH)
+    # Binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread.
+    json_bytes = len(body) if header_length is None else _int_or(header_length, len(body))
     try:
-        # Binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread.
-        json_bytes = len(body) if header_length is None else _int_or(header_length, len(body))
         if json_bytes > OFFLOAD_BYTES:
             req = await loop.run_in_executor(None, decode_request, body, header_length)
         else:
             req = decode_request(body, header_length)
-        rows = runner.validate(req.inputs, [o.name for o in req.outputs or ()])
     except InvalidInput:
-        runner.metrics.fail("invalid")
+        slot = registry.slot(request.match_info["model"], request.match_info.get("version"))
+        request.app[METRICS].failure.labels(slot.name, slot.version, "invalid").inc()
         raise
-    outputs = await runner.infer(req.inputs, rows=rows, received=received, timeout_us=req.timeout_us)
+    timeout_us = req.timeout_us
+    default_ms = registry.slot(request.match_info["model"], request.match_info.get("version")).cfg.timeout_ms
+    deadline = received + (timeout_us / 1e6 if timeout_us else (default_ms / 1e3 if default_ms else 1e9))
+    async with _use(request, deadline) as slot:
+        runner = slot.runner
+        try:
+            rows = runner.validate(req.inputs, [o.name for o in req.outputs or ()])
+        except InvalidInput:
+            runner.metrics.fail("invalid")
+            raise
+        outputs = await runner.infer(req.inputs, rows=rows, received=received, timeout_us=timeout_us)
     if rows * sum(a.itemsize * a[0].size for a in outputs.values()) > OFFLOAD_BYTES:
         out, json_length = await loop.run_in_executor(
             None, encode_response, runner.name, runner.version, outputs, req
@@ -153,6 +187,59 @@ async def infer(request: web.Request) -> web.Response:
     return web.Response(
         body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
     )
+
+
+# ---------------------------------------------------------------------------- repository extension
+def _repository(request: web.Request) -> None:
+    server = request.app[CONFIG].server
+    if not server.repository_api:
+        raise ModelNotFound("the repository API is disabled (server.repository_api: false)")
+    if server.repository_token is not None:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {server.repository_token}".encode()):
+            raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>")
+
+
+@routes.post("/v2/repository/index")
+async def repository_index(request: web.Request) -> web.Response:
+    _repository(request)
+    return _json(request.app[REGISTRY].index())
+
+
+@routes.get("/v2/repository/events")
+async def repository_events(request: web.Request) -> web.Response:
+    """Load, evict and unload events with durations and memory before/after (this server's addition)."""
+    _repository(request)
+    registry = request.app[REGISTRY]
+    return _json({"events": list(registry.events), "memory_used_bytes": registry.used_bytes,
+                  "memory_budget_bytes": registry.budget_bytes})
+
+
+def _repository_slots(request: web.Request) -> list[ModelSlot]:
+    registry = request.app[REGISTRY]
+    name = request.match_info["model"]
+    if name not in registry.slots:
+        raise ModelNotFound(f"unknown model '{name}'; models: {sorted(registry.slots)}")
+    return [s for s in registry.slots[name].values() if s.selected]
+
+
+@routes.post("/v2/repository/models/{model}/load")
+async def repository_load(request: web.Request) -> web.Response:
+    _repository(request)
+    for slot in _repository_slots(request):
+        try:
+            await request.app[REGISTRY].load(slot)
+        except ConfigError as exc:
+            raise InvalidInput(f"model '{slot.name}' failed to load: {exc}") from None
+    return _json({})
+
+
+@routes.post("/v2/repository/models/{model}/unload")
+async def repository_unload(request: web.Request) -> web.Response:
+    _repository(request)
+    for slot in _repository_slots(request):
+        await request.app[REGISTRY].unload(slot)
+    return _json({})
 
 
 @routes.get("/metrics")

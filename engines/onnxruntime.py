@@ -165,7 +165,7 @@ class OnnxRuntimeEngine(Engine):
         self.device = device
         self.intra_op_threads = intra_op_threads
         try:
-            self._model_bytes = self.path.read_bytes()
+            self._model_nbytes = self.path.stat().st_size
         except OSError as exc:
             raise EngineError(f"cannot read model file {self.path}: {exc.strerror}") from exc
         # A probe session gives the I/O specs; it becomes the first context so no work is wasted.
@@ -222,7 +222,7 @@ class OnnxRuntimeEngine(Engine):
 
     def _session(self, providers) -> ort.InferenceSession:
         try:
-            return ort.InferenceSession(self._model_bytes, self._options(), providers=providers)
+            return ort.InferenceSession(str(self.path), self._options(), providers=providers)
         except Exception as exc:
             raise EngineError(f"onnxruntime cannot load {self.path}: {exc}") from exc
 
@@ -243,7 +243,7 @@ class OnnxRuntimeEngine(Engine):
 
     @property
     def nbytes(self) -> int:
-        return len(self._model_bytes)
+        return self._model_nbytes
 
     def create_context(self) -> OnnxRuntimeContext:
         if self._released:
@@ -257,5 +257,4 @@ class OnnxRuntimeEngine(Engine):
         if self._spare is not None:
             self._spare.release()
             self._spare = None
-        self._model_bytes = b""
         self._released = True
