@@ -415,8 +415,8 @@ class Registry:
                     except Unavailable:
                         await self._unload(slot, "over the memory budget after loading")
                         slot.state, slot.reason = UNAVAILABLE, (
-                            f"needs {slot.budget_bytes / MiB:.0f} MB measured; memory budget "
-                            f"{self.budget_bytes / MiB:.0f} MB cannot hold it beside the pinned models")
+                            f"needs {slot.budget_bytes / MiB:.0f} MB as measured at load; the memory budget "
+                            f"{self.budget_bytes / MiB:.0f} MB cannot hold it beside the models in use")
                         raise Unavailable(f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
         except ConfigError as exc:
             slot.state, slot.reason = UNAVAILABLE, f"load failed: {exc}"

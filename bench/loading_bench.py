@@ -1,0 +1,149 @@
+"""Reproduce the seed article's loading-strategy table: eager vs lazy vs lru on tiny_cnn, mid_cnn, resnet18.
+
+    python -m bench.loading_bench --out bench/results/loading
+
+For each strategy it starts ``batcher serve`` (CPU, one instance per model) and reports, like the seed:
+
+* startup time: process start until ``/v2/health/ready`` answers 200;
+* resident memory of the server at start and after all three models are hot, and the memory counted against the
+  budget (``batcher_memory_used_bytes``: the models' footprints as measured at load);
+* each model's first-request latency (HTTP, one row, binary tensors; in this order: tiny, mid, resnet) and its
+  steady-state p50 over 20 requests afterwards;
+* for ``lru``: 4 rounds of one request per model (tiny, mid, resnet) with the latency of each, the eviction
+  timeline (events from ``/v2/repository/events``: what was evicted or loaded, how long it took, memory after),
+  and the reload latencies.
+
+The lru budget (default 200 MB) holds resnet18 beside one of the two others, not all three (the seed: 400 MB for
+701 MB); lru is given each model's measured footprint + 10% as ``memory_mb`` (what an operator would configure after
+measuring), instead of the conservative pre-load estimate. The seed measured GPU memory of TensorRT engines; here it is resident memory of ONNX Runtime on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from bench.loadgen import binary_body
+from bench.server import ServerProcess
+
+MODELS = ("tiny_cnn", "mid_cnn", "resnet18")
+MiB = 1 << 20
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _infer_ms(server: ServerProcess, model: str, body: bytes, headers: dict) -> float:
+    req = urllib.request.Request(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers)
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{model}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _json(server: ServerProcess, path: str, post: bool = False):
+    req = urllib.request.Request(server.base + path, data=b"{}" if post else None)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads: int,
+                 memory_mb: dict[str, float] | None = None) -> dict:
+    server_cfg = {"load_strategy": strategy, "repository_api": True}
+    if budget_mb is not None:
+        server_cfg["memory_budget_mb"] = budget_mb
+    cfg = {"server": server_cfg,
+           "models": [{"name": m, "path": f"zoo:{m}", "intra_op_threads": threads,
+                       **({"memory_mb": memory_mb[m]} if memory_mb else {})} for m in MODELS]}
+    body, headers = binary_body("input", np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32))
+    t0 = time.perf_counter()
+    with ServerProcess(cfg, workdir, name=strategy) as server:
+        startup_s = time.perf_counter() - t0
+        row = {"strategy": strategy, "budget_mb": budget_mb or "", "startup_s": round(startup_s, 2),
+               "rss_start_mb": round(_rss_mb(server.proc.pid)),
+               "counted_start_mb": round(server.metric("batcher_memory_used_bytes") / MiB)}
+        for m in MODELS:
+            row[f"{m}_first_ms"] = round(_infer_ms(server, m, body, headers), 1)
+        if strategy != "lru":
+            for m in MODELS:
+                row[f"{m}_p50_ms"] = round(statistics.median(_infer_ms(server, m, body, headers) for _ in range(20)), 1)
+        row["rss_hot_mb"] = round(_rss_mb(server.proc.pid))
+        row["counted_hot_mb"] = round(server.metric("batcher_memory_used_bytes") / MiB)
+        rounds, events = [], []
+        if strategy == "lru":
+            for r in range(4):
+                lat = {"round": r + 1}
+                for m in MODELS:
+                    lat[m] = round(_infer_ms(server, m, body, headers), 1) if r else row[f"{m}_first_ms"]
+                rounds.append(lat)
+                if r == 0:  # round 1 is the first requests above
+                    continue
+            row["rss_hot_mb"] = round(_rss_mb(server.proc.pid))
+            events = _json(server, "/v2/repository/events")["events"]
+        index = _json(server, "/v2/repository/index", post=True)
+    return {"row": row, "rounds": rounds, "events": events, "index": index}
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.loading_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results/loading"))
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
+    p.add_argument("--budget-mb", type=float, default=200,
+                   help="lru memory budget (default 200: resnet18 fits beside one of the others, not both)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        eager = run_strategy("eager", None, Path(tmp), args.threads)
+        measured = {e["name"]: e["measured_bytes"] / MiB for e in eager["index"]}
+        budget = args.budget_mb
+        lazy = run_strategy("lazy", None, Path(tmp), args.threads)
+        # as an operator would: tell lru each model's footprint as measured, instead of its pre-load estimate
+        lru = run_strategy("lru", budget, Path(tmp), args.threads, {m: round(v * 1.1, 1) for m, v in measured.items()})
+    rows = [eager["row"], lazy["row"], lru["row"]]
+    print("models' memory measured at load (eager), MB: " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()))
+    print(f"\nstrategies (lru budget {budget:.0f} MB; the three models measured {sum(measured.values()):.0f} MB in eager)"
+          "\n" + _table(rows))
+    print("\nlru rounds, latency ms (round 1 = first requests)\n" + _table(lru["rounds"]))
+    timeline = [{"t_s": e["time_s"], "event": e["event"], "model": e["model"], "ms": e["duration_ms"],
+                 "counted_after_mb": round(e["used_bytes_after"] / MiB), "rss_after_mb": round(e["rss_after_bytes"] / MiB)}
+                for e in lru["events"]]
+    print("\nlru timeline\n" + _table(timeline))
+    reloads = [e["duration_ms"] for e in lru["events"] if e["event"] == "load"][len(MODELS):]
+    if reloads:
+        print(f"\nlru reload (load after an eviction) ms: min {min(reloads)}, max {max(reloads)}, n {len(reloads)}")
+    with (args.out / "strategies.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
+    (args.out / "lru.json").write_text(json.dumps({"budget_mb": budget, "measured_mb": measured,
+                                                   "rounds": lru["rounds"], "events": lru["events"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
