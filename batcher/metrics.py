@@ -60,6 +60,11 @@ class Metrics:
             "batcher_queue_duration_seconds", "Time a request waited in the queue before its batch started",
             labels, buckets=LATENCY_BUCKETS_S, registry=r,
         )
+        self.request_duration = Histogram(
+            "batcher_request_duration_seconds",
+            "Time from a request's arrival to its answer in the server, successful requests (queue + compute)",
+            labels, buckets=LATENCY_BUCKETS_S, registry=r,
+        )
         self.compute_duration = Histogram(
             "batcher_compute_duration_seconds", "Engine execution time of a batch (stack, run, split)",
             labels, buckets=LATENCY_BUCKETS_S, registry=r,
@@ -97,6 +102,17 @@ class Metrics:
         self.model_load = Counter("batcher_model_load", "Model loads", labels, registry=r)
         self.model_unload = Counter("batcher_model_unload", "Model unloads by reason (evict: lru; unload: request)",
                                     (*labels, "reason"), registry=r)
+        self.throughput = Gauge(
+            "batcher_throughput_requests_per_second",
+            "Successful requests per second over the last 10 s", labels, registry=r,
+        )
+        self.retention = Gauge(
+            "batcher_retention_ratio",
+            "While two or more models are active: their total throughput over the sum of each one's best throughput "
+            "when it was the only active model (the seed's retention ratio, live); NaN otherwise",
+            registry=r,
+        )
+        self.retention.set(float("nan"))
         self.model_load_duration = Histogram(
             "batcher_model_load_duration_seconds", "Time to load a model (engine, contexts, warm-up)", labels,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,
@@ -113,6 +129,7 @@ class Metrics:
             execution_count=self.execution_count.labels(*lv),
             queue_duration=self.queue_duration.labels(*lv),
             compute_duration=self.compute_duration.labels(*lv),
+            request_duration=self.request_duration.labels(*lv),
             batch_size=self.batch_size.labels(*lv),
             compute_input=self.compute_input.labels(*lv),
             compute_infer=self.compute_infer.labels(*lv),
@@ -130,6 +147,7 @@ class ModelMetrics:
     execution_count: Counter
     queue_duration: Histogram
     compute_duration: Histogram
+    request_duration: Histogram
     batch_size: Histogram
     queue_depth: Gauge
     compute_input: Counter

@@ -39,6 +39,7 @@ from engines.zoo import ZooError, cache_dir, resolve
 from .config import Config, ModelConfig
 from .errors import BatcherError, ConfigError, DeadlineExceeded, ModelNotFound, Unavailable
 from .metrics import Metrics
+from .retention import ThroughputTracker
 from .scheduler import ModelRunner, warmup_inputs
 from .signature import ModelSignature
 
@@ -195,6 +196,12 @@ class ModelSlot:
         self.measured_bytes: int | None = None  # largest growth measured at a load
         self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
         self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
+        self.success_before = 0  # successful requests answered by earlier loads of this slot
+
+    @property
+    def success_total(self) -> int:
+        """Successful requests over the slot's lifetime (all its loads)."""
+        return self.success_before + (self.runner.stats.success.count if self.runner is not None else 0)
 
     @property
     def budget_bytes(self) -> int:
@@ -238,6 +245,7 @@ class Registry:
             selected = cfg.version in _selected_versions(by_name[cfg.name])
             self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
         self.ready = False
+        self._monitor: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._t0 = time.monotonic()
         #: load/evict/unload events, newest last (GET /v2/repository/events).
@@ -274,11 +282,30 @@ class Registry:
             except BaseException:
                 await self.close()
                 raise
+        self._monitor = asyncio.create_task(self._watch_throughput(), name="throughput-monitor")
         self.ready = True
+
+    async def _watch_throughput(self, tick_s: float = 1.0) -> None:
+        """Every ``tick_s``: per-model throughput and the live retention ratio (:mod:`batcher.retention`)."""
+        tracker = ThroughputTracker()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick_s)
+            rps, ratio = tracker.tick(loop.time(), {(s.name, s.version): s.success_total for s in self._all()})
+            for (name, version), r in rps.items():
+                self.metrics.throughput.labels(name, version).set(r)
+            self.metrics.retention.set(float("nan") if ratio is None else ratio)
 
     async def close(self) -> None:
         """Stop every model: queued requests get 503, running batches finish, memory is released."""
         self.ready = False
+        if self._monitor is not None:
+            self._monitor.cancel()
+            try:
+                await self._monitor
+            except asyncio.CancelledError:
+                pass
+            self._monitor = None
         runners = [s.runner for s in self._all() if s.runner is not None]
         for s in self._all():
             s.runner, s.state = None, UNAVAILABLE
@@ -487,6 +514,7 @@ class Registry:
                 await asyncio.sleep(0.005)
             rss0 = rss_bytes()
             t0 = time.perf_counter()
+            slot.success_before = slot.success_total
             slot.runner = None
             if runner is not None:
                 await runner.close()

@@ -65,7 +65,7 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/v2")
 async def server_metadata(request: web.Request) -> web.Response:
-    extensions = ["binary_tensor_data", "model_configuration"]
+    extensions = ["binary_tensor_data", "model_configuration", "statistics"]
     if request.app[CONFIG].server.repository_api:
         extensions.append("model_repository")
     return _json({"name": "trt-batcher", "version": __version__, "extensions": extensions})
@@ -84,6 +84,48 @@ async def _signature(request: web.Request) -> tuple[ModelSlot, ModelSignature]:
     if slot.signature is None:
         raise Unavailable(f"model '{slot.name}' is not loaded: {slot.reason}")
     return slot, slot.signature
+
+
+def _model_stats(slot: ModelSlot) -> dict:
+    from .scheduler import Stats
+
+    st = slot.runner.stats if slot.runner is not None else Stats()
+    return {
+        "name": slot.name,
+        "version": slot.version,
+        "last_inference": st.last_inference_ms,
+        "inference_count": st.inference_count,
+        "execution_count": st.execution_count,
+        "inference_stats": {
+            "success": st.success.json(), "fail": st.fail.json(), "queue": st.queue.json(),
+            "compute_input": st.compute_input.json(), "compute_infer": st.compute_infer.json(),
+            "compute_output": st.compute_output.json(),
+            "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
+        },
+        "batch_stats": [
+            {"batch_size": size, "compute_input": d[0].json(), "compute_infer": d[1].json(),
+             "compute_output": d[2].json()}
+            for size, d in sorted(st.batches.items())
+        ],
+    }
+
+
+@routes.get("/v2/models/stats")
+@routes.get("/v2/models/{model}/stats")
+@routes.get("/v2/models/{model}/versions/{version}/stats")
+async def model_statistics(request: web.Request) -> web.Response:
+    """Triton's statistics extension (what perf_analyzer reads for its server-side breakdown). Counts restart when
+    a model is reloaded."""
+    registry = request.app[REGISTRY]
+    name = request.match_info.get("model")
+    if name is None:
+        slots = [s for versions in registry.slots.values() for s in versions.values() if s.selected]
+    elif request.match_info.get("version") is None:
+        registry.slot(name)  # 404 for unknown models
+        slots = [s for s in registry.slots[name].values() if s.selected]
+    else:
+        slots = [registry.slot(name, request.match_info["version"])]
+    return _json({"model_stats": [_model_stats(s) for s in slots]})
 
 
 @routes.get("/v2/models/{model}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -52,6 +53,53 @@ def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) ->
         out[spec.name] = (np.full((rows, *dims), b"", dtype=object) if spec.datatype == "BYTES"
                           else np.zeros((rows, *dims), dtype=dtype))
     return out
+
+
+@dataclass
+class Duration:
+    """A count and a total duration, as Triton's statistics extension reports them (``{"count", "ns"}``)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        self.count += n
+        self.ns += int(seconds * 1e9)
+
+    def json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class Stats:
+    """Cumulative per-model statistics for ``GET /v2/models/{m}/stats`` (Triton's statistics extension).
+
+    Updated on the event loop only. ``success``/``fail`` time whole requests from arrival to answer; ``queue``
+    times the wait for a batch; compute phases are per request (each request of a batch is charged the batch's
+    phase time, as Triton does).
+    """
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    #: batch size -> executions and their phase times
+    batches: dict[int, list[Duration]] = field(default_factory=dict)
+
+    def batch(self, rows: int, requests: int, t_input: float, t_infer: float, t_output: float) -> None:
+        self.inference_count += rows
+        self.execution_count += 1
+        self.compute_input.add(t_input * requests, requests)
+        self.compute_infer.add(t_infer * requests, requests)
+        self.compute_output.add(t_output * requests, requests)
+        per = self.batches.setdefault(rows, [Duration(), Duration(), Duration()])
+        for d, t in zip(per, (t_input, t_infer, t_output)):
+            d.add(t)
 
 
 class ModelRunner:
@@ -90,6 +138,7 @@ class ModelRunner:
         self._loop = asyncio.get_running_loop()
         self._running: set[asyncio.Future] = set()
         self._closing = False
+        self.stats = Stats()
         self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
 
     # ------------------------------------------------------------------ submit
@@ -153,8 +202,13 @@ class ModelRunner:
                 raise
         except BatcherError as exc:
             m.fail(exc.reason)
+            self.stats.fail.add(self._loop.time() - received)
             raise
+        elapsed = self._loop.time() - received
         m.success.inc()
+        m.request_duration.observe(elapsed)
+        self.stats.success.add(elapsed)
+        self.stats.last_inference_ms = int(time.time() * 1e3)
         return result
 
     def _set_depth(self, n: int) -> None:
@@ -194,6 +248,7 @@ class ModelRunner:
                 if p.timer is not None:
                     p.timer.cancel()
                 self.metrics.queue_duration.observe(now - p.arrival)
+                self.stats.queue.add(now - p.arrival)
             self._set_depth(self._depth - len(batch))
             fut = self._loop.run_in_executor(self._executors[idx], self._execute, self._contexts[idx], batch)
             self._running.add(fut)
@@ -269,6 +324,7 @@ class ModelRunner:
                 m.compute_input.inc(t_input)
                 m.compute_infer.inc(t_infer)
                 m.compute_output.inc(t_output)
+                self.stats.batch(rows, len(batch), t_input, t_infer, t_output)
         for p, out in zip(batch, outcomes):
             p.state = State.DONE
             if p.future.done():  # client went away; its rows are discarded

@@ -208,3 +208,19 @@ def test_metrics_expose_the_documented_names(default_server, client):
     ]:
         assert n in names, n
     assert default_server.metric("batcher_request_failure_total", model="ppocr_cls", version="1", reason="invalid") > 0
+
+
+def test_statistics_extension_in_tritons_form(client, default_server):
+    """GET /v2/models/{m}/stats as Triton reports it (read by perf_analyzer and tritonclient)."""
+    _infer(client, "tiny_cnn", np.zeros((3, 3, 224, 224), np.float32), True)
+    stats = client.get_inference_statistics("tiny_cnn")["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("tiny_cnn", "1")]
+    st = stats[0]
+    assert st["inference_count"] >= 3 and st["execution_count"] >= 1
+    inf = st["inference_stats"]
+    assert inf["success"]["count"] >= 1 and inf["success"]["ns"] > 0
+    assert inf["queue"]["count"] == inf["compute_infer"]["count"] >= 1
+    assert any(b["batch_size"] == 3 for b in st["batch_stats"])
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {s["name"] for s in everything} == set(MODELS)
+    assert "statistics" in client.get_server_metadata()["extensions"]
