@@ -18,6 +18,7 @@ from .codec import HEADER_LENGTH, decode_request, encode_response
 from .errors import InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
 from .keys import CONFIG, METRICS, REGISTRY
 from .registry import READY, ConfigError, ModelSlot
+from .scheduler import request_deadline
 from .signature import ModelSignature
 
 #: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
@@ -188,7 +189,7 @@ async def infer(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     if not registry.ready:
         raise Unavailable("server is not ready")
-    registry.slot(request.match_info["model"], request.match_info.get("version"))  # 404 before reading the body
+    target = registry.slot(request.match_info["model"], request.match_info.get("version"))  # 404 before the body
     try:
         body = await asyncio.wait_for(request.read(), request.app[CONFIG].server.read_timeout_s)
     except asyncio.TimeoutError:
@@ -204,12 +205,9 @@ async def infer(request: web.Request) -> web.Response:
         else:
             req = decode_request(body, header_length)
     except InvalidInput:
-        slot = registry.slot(request.match_info["model"], request.match_info.get("version"))
-        request.app[METRICS].failure.labels(slot.name, slot.version, "invalid").inc()
+        request.app[METRICS].failure.labels(target.name, target.version, "invalid").inc()
         raise
-    timeout_us = req.timeout_us
-    default_ms = registry.slot(request.match_info["model"], request.match_info.get("version")).cfg.timeout_ms
-    deadline = received + (timeout_us / 1e6 if timeout_us else (default_ms / 1e3 if default_ms else 1e9))
+    deadline = request_deadline(received, req.timeout_us, target.cfg.timeout_ms)
     async with _use(request, deadline) as slot:
         runner = slot.runner
         try:
@@ -217,7 +215,7 @@ async def infer(request: web.Request) -> web.Response:
         except InvalidInput:
             runner.metrics.fail("invalid")
             raise
-        outputs = await runner.infer(req.inputs, rows=rows, received=received, timeout_us=timeout_us)
+        outputs = await runner.infer(req.inputs, rows=rows, received=received, deadline=deadline)
     if rows * sum(a.itemsize * a[0].size for a in outputs.values()) > OFFLOAD_BYTES:
         out, json_length = await loop.run_in_executor(
             None, encode_response, runner.name, runner.version, outputs, req

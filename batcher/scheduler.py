@@ -102,6 +102,16 @@ class Stats:
             d.add(t)
 
 
+def request_deadline(received: float, timeout_us: int | None, timeout_ms: int | None) -> float | None:
+    """A request's deadline (event-loop seconds): its ``parameters.timeout`` (microseconds), else the model's
+    ``timeout_ms``, counted from ``received``; None when neither is set."""
+    if timeout_us:
+        return received + timeout_us / 1e6
+    if timeout_ms:
+        return received + timeout_ms / 1e3
+    return None
+
+
 class ModelRunner:
     """One model version being served: its contexts, executor threads, queue and batcher task.
 
@@ -155,14 +165,14 @@ class ModelRunner:
         return rows
 
     async def infer(
-        self, inputs: dict[str, np.ndarray], *, rows: int, received: float, timeout_us: int | None = None
+        self, inputs: dict[str, np.ndarray], *, rows: int, received: float, deadline: float | None = None
     ) -> dict[str, np.ndarray]:
         """Queue one validated request and wait for its outputs.
 
         Args:
             inputs: validated inputs (see :meth:`validate`), first dim ``rows``.
-            received: event-loop time (s, monotonic) the request arrived; the deadline counts from it.
-            timeout_us: the request's ``parameters.timeout`` in microseconds; None: the model's ``timeout_ms``.
+            received: event-loop time (s, monotonic) the request arrived.
+            deadline: event-loop time after which it must not start executing (:func:`request_deadline`).
 
         Returns:
             the request's rows of every output.
@@ -179,12 +189,6 @@ class ModelRunner:
                 raise Unavailable(
                     f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})"
                 )
-            if timeout_us is not None:
-                deadline = received + timeout_us / 1e6
-            elif self.cfg.timeout_ms is not None:
-                deadline = received + self.cfg.timeout_ms / 1e3
-            else:
-                deadline = None
             p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future())
             if deadline is not None:
                 if deadline <= self._loop.time():
