@@ -40,14 +40,6 @@ MODELS = ("tiny_cnn", "mid_cnn", "resnet18")
 MiB = 1 << 20
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _infer_ms(server: ServerProcess, model: str, body: bytes, headers: dict) -> float:
     req = urllib.request.Request(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers)
     t0 = time.perf_counter()
@@ -78,14 +70,14 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
     with ServerProcess(cfg, workdir, name=strategy) as server:
         startup_s = time.perf_counter() - t0
         row = {"strategy": strategy, "budget_mb": budget_mb or "", "startup_s": round(startup_s, 2),
-               "rss_start_mb": round(_rss_mb(server.proc.pid)),
+               "rss_start_mb": round(server.rss_mb()),
                "counted_start_mb": round(server.metric("batcher_memory_used_bytes") / MiB)}
         for m in MODELS:
             row[f"{m}_first_ms"] = round(_infer_ms(server, m, body, headers), 1)
         if strategy != "lru":
             for m in MODELS:
                 row[f"{m}_p50_ms"] = round(statistics.median(_infer_ms(server, m, body, headers) for _ in range(20)), 1)
-        row["rss_hot_mb"] = round(_rss_mb(server.proc.pid))
+        row["rss_hot_mb"] = round(server.rss_mb())
         row["counted_hot_mb"] = round(server.metric("batcher_memory_used_bytes") / MiB)
         rounds, events = [], []
         if strategy == "lru":
@@ -96,7 +88,7 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
                 rounds.append(lat)
                 if r == 0:  # round 1 is the first requests above
                     continue
-            row["rss_hot_mb"] = round(_rss_mb(server.proc.pid))
+            row["rss_hot_mb"] = round(server.rss_mb())
             events = _json(server, "/v2/repository/events")["events"]
         index = _json(server, "/v2/repository/index", post=True)
     return {"row": row, "rounds": rounds, "events": events, "index": index}

@@ -93,6 +93,14 @@ class ServerProcess:
         """One sample's value (0.0 when absent, e.g. a counter never incremented)."""
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
+    def rss_mb(self) -> float:
+        """The server process's resident memory in MiB (Linux ``/proc/<pid>/status`` VmRSS)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS line")
+
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 30 s; returns the exit code."""
         if self.proc.poll() is None:

@@ -10,8 +10,6 @@ import pytest
 
 from bench.server import ServerProcess
 
-Server = ServerProcess
-
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

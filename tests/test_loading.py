@@ -44,14 +44,6 @@ def _loaded(server) -> dict[str, float]:
     return {dict(k)["model"]: v for (n, k), v in m.items() if n == "batcher_model_loaded"}
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 async def _infer(session, server, model, **kw):
     async with session.post(f"{server.base}/v2/models/{model}/infer", **_body(**kw)) as r:
         body = await r.read()
@@ -142,13 +134,13 @@ def test_unload_reload_cycles_return_memory(start_server):
     cycles; keeping one model's memory per cycle would exceed 80 MB by the second cycle), and it does not trend
     upwards: the highest of the last 10 cycles is within 16 MB of the highest of the first 10."""
     server = start_server({"server": {"load_strategy": "lazy", "repository_api": True}, "models": _models("resnet18")})
-    base = _rss_mb(server.proc.pid)
+    base = server.rss_mb()
     after_load, after_unload = [], []
     for _ in range(20):
         assert _post(server, "/v2/repository/models/resnet18/load")[0] == 200
-        after_load.append(_rss_mb(server.proc.pid))
+        after_load.append(server.rss_mb())
         assert _post(server, "/v2/repository/models/resnet18/unload")[0] == 200
-        after_unload.append(_rss_mb(server.proc.pid))
+        after_unload.append(server.rss_mb())
     assert min(after_load) - base > 80  # the model really took memory
     assert max(after_unload) - base <= 80, (base, after_unload)
     assert max(after_unload[10:]) <= max(after_unload[:10]) + 16, after_unload
