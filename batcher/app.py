@@ -69,7 +69,7 @@ def create_app(config: Config) -> web.Application:
         registry = app[REGISTRY]
         await registry.start()
         yield
-        log.info("shutting down: releasing %d model(s)", sum(len(v) for v in registry.models.values()))
+        log.info("shutting down: releasing %d loaded model(s)", registry.loaded_count)
         await registry.close()
 
     app.cleanup_ctx.append(registry_ctx)

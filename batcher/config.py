@@ -159,6 +159,8 @@ class ModelConfig(_Strict):
             )
         if self.backend == "onnxruntime" and (self.build is not None or self.runtime != "auto"):
             raise ValueError("build and runtime apply to backend tensorrt only")
+        if self.fallback_queue_depth is not None and self.fallback is None:
+            raise ValueError("fallback_queue_depth needs a fallback model")
         if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes must be >= 1, got {self.warmup_batch_sizes}")
         names = [i.name for i in self.inputs]
@@ -192,6 +194,10 @@ class ServerConfig(_Strict):
     def _budget(self) -> ServerConfig:
         if self.load_strategy == "lru" and self.memory_budget_mb is None:
             raise ValueError("load_strategy lru needs memory_budget_mb")
+        if self.load_strategy != "lru" and self.memory_budget_mb is not None:
+            raise ValueError(f"memory_budget_mb applies to load_strategy lru only, not {self.load_strategy}")
+        if self.repository_token is not None and not self.repository_api:
+            raise ValueError("repository_token is set but repository_api is false")
         return self
 
 
@@ -223,6 +229,19 @@ class Config(_Strict):
             seen.add((m.name, m.version))
             if m.fallback is not None and (m.fallback not in names or m.fallback == m.name):
                 raise ValueError(f"models[{i}].fallback: {m.fallback!r} is not another configured model")
+        for name in names:
+            entries = [(i, m) for i, m in enumerate(self.models) if m.name == name]
+            top_i, top = max(entries, key=lambda e: e[1].version)
+            for i, m in entries:
+                if m is not top and m.version_policy != "all" and m.version_policy != top.version_policy:
+                    raise ValueError(f"models[{i}].version_policy: set it on the highest version of {name!r} "
+                                     f"(models[{top_i}]); the policy is read from there")
+            policy = top.version_policy
+            if hasattr(policy, "specific"):
+                missing = sorted(set(policy.specific) - {m.version for _, m in entries})
+                if missing:
+                    raise ValueError(f"models[{top_i}].version_policy: versions {missing} of {name!r} are not "
+                                     "configured")
         return self
 
 

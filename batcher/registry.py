@@ -191,9 +191,10 @@ class ModelSlot:
         self.signature: ModelSignature | None = None
         self.loaded: Loaded | None = None
         self.inflight = 0  # requests between acquire and release: a pinned model is never evicted
+        self.waiting = 0  # requests waiting for this model's load: it is pinned for them too
         self.last_used = 0.0
         self.task: asyncio.Task | None = None  # the load or unload in progress
-        self.measured_bytes: int | None = None  # largest growth measured at a load
+        self.measured_bytes: int | None = None  # growth measured at the first load (at least the weights)
         self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
         self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
         self.success_before = 0  # successful requests answered by earlier loads of this slot
@@ -263,6 +264,10 @@ class Registry:
         """Memory counted against the budget by the loaded models (READY, or UNLOADING until freed); a model being
         loaded has its room reserved by :meth:`_make_room` and counts once READY."""
         return sum(s.budget_bytes for s in self._all() if s.state in (READY, UNLOADING))
+
+    @property
+    def loaded_count(self) -> int:
+        return sum(1 for s in self._all() if s.state in (READY, UNLOADING))
 
     def _used_by_others(self, slot: ModelSlot) -> int:
         return sum(s.budget_bytes for s in self._all() if s.state in (READY, UNLOADING) and s is not slot)
@@ -349,12 +354,12 @@ class Registry:
         if allow_fallback and cfg.fallback is not None:
             depth = slot.runner.queue_depth if slot.runner is not None else 0
             if cfg.fallback_queue_depth is not None and depth >= cfg.fallback_queue_depth:
-                log.info("model %s: queue depth %d, routing to fallback %s", name, depth, cfg.fallback)
+                log.debug("model %s: queue depth %d, routing to fallback %s", name, depth, cfg.fallback)
                 return await self.acquire(cfg.fallback, None, deadline, allow_fallback=False)
             try:
                 return await self._ready(slot, deadline)
             except Unavailable as exc:
-                log.info("model %s unavailable (%s), routing to fallback %s", name, exc.message, cfg.fallback)
+                log.debug("model %s unavailable (%s), routing to fallback %s", name, exc.message, cfg.fallback)
                 return await self.acquire(cfg.fallback, None, deadline, allow_fallback=False)
         return await self._ready(slot, deadline)
 
@@ -381,12 +386,15 @@ class Registry:
             if self.config.server.on_cold == "reject":
                 raise Unavailable(f"model '{slot.name}' is loading; try again shortly", retry_after_s=1)
             timeout = None if deadline is None else deadline - loop.time()
+            slot.waiting += 1
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(f"model '{slot.name}': deadline expired while the model was loading") from None
             except ConfigError as exc:
                 raise Unavailable(f"model '{slot.name}' failed to load: {exc}", retry_after_s=5) from None
+            finally:
+                slot.waiting -= 1
             if slot.state != READY:
                 raise Unavailable(f"model '{slot.name}' version {slot.version} is not available: {slot.reason}",
                                   retry_after_s=5)
@@ -425,7 +433,8 @@ class Registry:
                     await self._make_room(slot, slot.budget_bytes)
                 rss0 = rss_bytes()
                 loaded = await asyncio.to_thread(load_model, slot.cfg, slot.where)
-                slot.measured_bytes = max(slot.measured_bytes or 0, loaded.measured_bytes)
+                if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
+                    slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances)
                 slot.footprint_bytes = loaded.footprint_bytes
                 slot.loaded = loaded
                 slot.signature = loaded.signature
@@ -475,8 +484,8 @@ class Registry:
                 f"model '{newcomer.name}' needs {need / MiB:.0f} MB, more than the whole memory budget "
                 f"({budget / MiB:.0f} MB)", retry_after_s=30)
         while self._used_by_others(newcomer) + need > budget:
-            idle = [s for s in self._all() if s.state == READY and s.inflight == 0 and s is not newcomer
-                    and (s.runner is None or s.runner.queue_depth == 0)]
+            idle = [s for s in self._all() if s.state == READY and s.inflight == 0 and s.waiting == 0
+                    and s is not newcomer and (s.runner is None or s.runner.queue_depth == 0)]
             if not idle:
                 pinned = [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in self._all()
                           if s.state != UNAVAILABLE and s is not newcomer]
@@ -548,9 +557,10 @@ class Registry:
         else:
             m.model_unload.labels(slot.name, slot.version, kind).inc()
         log.info(
-            "%s model %s version %s in %.1f ms: resident %.0f -> %.0f MB, %.0f MB counted against the budget (%s)",
+            "%s model %s version %s in %.1f ms: resident %.0f -> %.0f MB; model counts %.0f MB, all loaded models "
+            "%.0f MB (%s)",
             kind, slot.name, slot.version, seconds * 1e3, ev["rss_before_bytes"] / MiB, ev["rss_after_bytes"] / MiB,
-            ev["used_bytes_after"] / MiB, slot.reason or "ready",
+            slot.budget_bytes / MiB, ev["used_bytes_after"] / MiB, slot.reason or "ready",
         )
 
     def _update_memory_metrics(self) -> None:

@@ -15,7 +15,7 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .codec import HEADER_LENGTH, decode_request, encode_response
-from .errors import InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
+from .errors import BatcherError, InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
 from .keys import CONFIG, METRICS, REGISTRY
 from .registry import READY, ConfigError, ModelSlot
 from .scheduler import request_deadline
@@ -208,7 +208,12 @@ async def infer(request: web.Request) -> web.Response:
         request.app[METRICS].failure.labels(target.name, target.version, "invalid").inc()
         raise
     deadline = request_deadline(received, req.timeout_us, target.cfg.timeout_ms)
-    async with _use(request, deadline) as slot:
+    try:
+        slot = await registry.acquire(target.name, request.match_info.get("version"), deadline)
+    except BatcherError as exc:  # not loaded, no room in the budget, load outlasted the deadline
+        request.app[METRICS].failure.labels(target.name, target.version, exc.reason).inc()
+        raise
+    try:
         runner = slot.runner
         try:
             rows = runner.validate(req.inputs, [o.name for o in req.outputs or ()])
@@ -216,6 +221,8 @@ async def infer(request: web.Request) -> web.Response:
             runner.metrics.fail("invalid")
             raise
         outputs = await runner.infer(req.inputs, rows=rows, received=received, deadline=deadline)
+    finally:
+        registry.release(slot)
     if rows * sum(a.itemsize * a[0].size for a in outputs.values()) > OFFLOAD_BYTES:
         out, json_length = await loop.run_in_executor(
             None, encode_response, runner.name, runner.version, outputs, req

@@ -153,3 +153,23 @@ def test_onnxruntime_models_reject_tensorrt_options():
 def test_cli_rejects_a_port_out_of_range():
     r = _cli("serve", "--port", "70000")
     assert r.returncode == 2 and "expected 0-65535, got 70000" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "doc,fragment",
+    [
+        ({"server": {"memory_budget_mb": 100}}, "memory_budget_mb applies to load_strategy lru only, not eager"),
+        ({"server": {"load_strategy": "lru"}}, "load_strategy lru needs memory_budget_mb"),
+        ({"server": {"repository_token": "x"}}, "repository_token is set but repository_api is false"),
+        ({"models": [{"name": "m", "path": "p", "fallback_queue_depth": 3}]}, "fallback_queue_depth needs a fallback"),
+        ({"models": [{"name": "m", "path": "p", "version_policy": {"specific": [7]}}]},
+         "models[0].version_policy: versions [7] of 'm' are not configured"),
+        ({"models": [{"name": "m", "path": "p", "version_policy": {"latest": 1}},
+                     {"name": "m", "version": 2, "path": "p"}]}, "set it on the highest version of 'm'"),
+    ],
+)
+def test_loading_and_routing_options_are_checked(doc, fragment):
+    doc = {"models": [{"name": "m", "path": "p"}], **doc}
+    with pytest.raises(ConfigError) as exc:
+        parse_config(doc)
+    assert fragment in str(exc.value)

@@ -129,10 +129,11 @@ async def test_lru_never_evicts_a_model_with_requests_in_flight(start_server):
 
 def test_unload_reload_cycles_return_memory(start_server):
     """20 load/unload cycles of resnet18 (each load adds ~110-200 MB of resident memory). Tolerances, from runs
-    here: after every unload, resident memory is within 80 MB of where it was before the first load (ONNX
-    Runtime's one-time global state plus the allocator's cached free memory settle at 20-60 MB within three
-    cycles; keeping one model's memory per cycle would exceed 80 MB by the second cycle), and it does not trend
-    upwards: the highest of the last 10 cycles is within 16 MB of the highest of the first 10."""
+    here (also with other servers running on the machine): after every unload, resident memory is within 100 MB
+    of where it was before the first load (ONNX Runtime's one-time global state plus the allocator's cached free
+    memory settle at 20-75 MB within three cycles; keeping one model's memory per cycle would exceed 100 MB by
+    the second cycle), and it does not trend upwards: the highest of the last 10 cycles is within 32 MB of the
+    highest of the first 10 (a leak of 3.5 MB per cycle or more fails)."""
     server = start_server({"server": {"load_strategy": "lazy", "repository_api": True}, "models": _models("resnet18")})
     base = server.rss_mb()
     after_load, after_unload = [], []
@@ -142,8 +143,8 @@ def test_unload_reload_cycles_return_memory(start_server):
         assert _post(server, "/v2/repository/models/resnet18/unload")[0] == 200
         after_unload.append(server.rss_mb())
     assert min(after_load) - base > 80  # the model really took memory
-    assert max(after_unload) - base <= 80, (base, after_unload)
-    assert max(after_unload[10:]) <= max(after_unload[:10]) + 16, after_unload
+    assert max(after_unload) - base <= 100, (base, after_unload)
+    assert max(after_unload[10:]) <= max(after_unload[:10]) + 32, after_unload
     assert server.metric("batcher_model_unload_total", model="resnet18", version="1", reason="unload") == 20
 
 
@@ -219,3 +220,30 @@ async def test_fallback_model_when_unavailable_or_queue_is_deep(start_server):
         assert _post(server, "/v2/repository/models/mid_cnn/unload")[0] == 200
         status, head, _ = await _infer(s, server, "mid_cnn")
         assert status == 200 and head["model_name"] == "tiny_cnn"
+
+
+async def test_requests_waiting_for_a_cold_load_pin_the_model(start_server):
+    """lru, 100 MB: tiny_cnn (~33 MB before its first load) and mid_cnn (~87 MB) cannot both be loaded. Requests
+    for both at once on a cold server: tiny_cnn's waiters pin it, so it is never evicted before serving them; a
+    request that finds no room gets 503 naming the budget."""
+    server = start_server({"server": {"load_strategy": "lru", "memory_budget_mb": 100},
+                           "models": _models("tiny_cnn", "mid_cnn")})
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(_infer(s, server, m) for m in ["tiny_cnn"] * 10 + ["mid_cnn"] * 10))
+    assert [st for st, _, _ in results[:10]] == [200] * 10
+    for status, head, _ in results[10:]:
+        assert status == 200 or (status == 503 and "memory budget 100 MB" in head["error"]), head
+        assert "evicted" not in head.get("error", "")
+    rejected = sum(st == 503 for st, _, _ in results)
+    assert server.metric("batcher_request_failure_total", model="mid_cnn", version="1", reason="rejected") == rejected
+
+
+def test_sigterm_stops_cleanly_with_exit_code_0(start_server):
+    server = start_server({"server": {"load_strategy": "lazy"}, "models": _models("tiny_cnn")})
+    urllib.request.urlopen(urllib.request.Request(f"{server.base}/v2/models/tiny_cnn/infer",
+                                                  **{k: v for k, v in _body().items() if k != "headers"},
+                                                  headers=_body()["headers"])).read()
+    assert server.stop() == 0
+    log = server.log()
+    assert "shutting down: releasing 1 loaded model(s)" in log and "stopped" in log
+    assert "Traceback" not in log
