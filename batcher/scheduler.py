@@ -102,6 +102,20 @@ class Stats:
             d.add(t)
 
 
+#: weight of the newest gap in the moving average of inter-arrival times.
+GAP_EWMA_ALPHA = 0.2
+
+
+def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:
+    """Whether holding a batch open for up to ``delay_s`` is likely to gather another request.
+
+    The adaptive part of the batch window: when requests arrive on average more than two windows apart, a lone
+    request would almost always wait the whole window for nothing (Triton waits anyway), so it runs at once. At
+    load, gaps shrink below the window and batches form as configured.
+    """
+    return delay_s > 0 and mean_gap_s < 2 * delay_s
+
+
 def request_deadline(received: float, timeout_us: int | None, timeout_ms: int | None) -> float | None:
     """A request's deadline (event-loop seconds): its ``parameters.timeout`` (microseconds), else the model's
     ``timeout_ms``, counted from ``received``; None when neither is set."""
@@ -143,6 +157,8 @@ class ModelRunner:
         self._depth = 0
         self._wakeup = asyncio.Event()
         self._delay_s = cfg.max_queue_delay_us / 1e6
+        self._last_arrival = 0.0
+        self._gap_s = 1.0  # moving average of the time between arrivals (s), capped at 1 s
         self._max_batch = signature.max_batch_size
         self._preferred = tuple(cfg.preferred_batch_sizes)
         self._loop = asyncio.get_running_loop()
@@ -190,6 +206,9 @@ class ModelRunner:
                     f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})"
                 )
             p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future())
+            gap = received - self._last_arrival
+            self._last_arrival = received
+            self._gap_s += GAP_EWMA_ALPHA * (min(gap, 1.0) - self._gap_s)
             if deadline is not None:
                 if deadline <= self._loop.time():
                     raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
@@ -266,7 +285,8 @@ class ModelRunner:
             batch, rows = plan_batch(self._queue, self._max_batch)
             if batch:
                 wait = batch[0].arrival + self._delay_s - self._loop.time()
-                if wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred):
+                if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
+                        or not worth_waiting(self._gap_s, self._delay_s)):
                     taken = set(map(id, batch))
                     self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                     return batch

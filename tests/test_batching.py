@@ -56,3 +56,11 @@ def test_stack_and_split_round_trip_in_order():
 def test_split_rejects_outputs_without_the_batch_rows():
     with pytest.raises(ValueError, match="expected 3 rows first"):
         split_outputs({"y": np.zeros((2, 4))}, [1, 2])
+
+
+def test_the_batch_window_is_held_only_when_more_requests_are_likely():
+    from batcher.scheduler import worth_waiting
+
+    assert worth_waiting(0.0002, 0.0005)  # arrivals 0.2 ms apart: a 0.5 ms window gathers more
+    assert not worth_waiting(0.002, 0.0005)  # 2 ms apart: a lone request would wait for nothing
+    assert not worth_waiting(0.0001, 0.0)  # no window configured

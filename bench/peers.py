@@ -1,0 +1,761 @@
+"""Peers side by side: our server, a minimal server without batching and NVIDIA PyTriton, same model (the
+512-2048-512 MLP of ``bench/mlp.py`` through ONNX Runtime on CPU), same machine, same load tool, one run; then the
+front-end CPU cost per request of our server next to a bare aiohttp handler.
+
+    python -m bench.peers --out bench/results/peers                     # the full run (about 15 minutes)
+    python -m bench.peers --out /tmp/p --duration 2 --warmup 0.5 --rates 200,400,800 --refine 0 \\
+        --frontend-requests 2000                                         # a smoke run
+
+Servers, started one at a time, each on its own free 127.0.0.1 port, each given the same ONNX Runtime intra-op
+threads (``--intra-op-threads``):
+
+* ``ours``: ``batcher serve`` (:class:`bench.server.ServerProcess`), dynamic batching (``--max-batch-size``,
+  ``--max-queue-delay-us``), one instance;
+* ``nobatch``: ``bench/nobatch_server.py``, aiohttp, one request per execution under a lock (the seeds' design);
+* ``pytriton``: ``bench/pytriton_server.py``, PyTriton's tritonserver with ``DynamicBatcher`` (same max batch
+  size and queue delay) and ``@batch`` running the model in ONNX Runtime. nvidia-pytriton needs ``numpy<2``, so it
+  runs from its own virtualenv (``--pytriton-python``; default: this Python if it has ``pytriton``, else
+  ``/tmp/pytriton-venv/bin/python``). Make one with
+  ``python3 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime``.
+
+Per server, with the load tool of ``python -m bench sweep`` (:func:`bench.sweep.run_sweep`), one row ``x`` FP32
+``[1, 512]`` per request:
+
+1. closed loop at ``--clients`` (default 1 and 16) for each of ``--encodings`` (JSON tensors, as the reference
+   figures, and binary): p50 at one client, throughput and p99 at 16, the server's CPU time per request (its
+   whole process tree, from ``/proc``) and the average batch size (from its metrics, where it has them);
+2. open loop (``--open-encoding``, constant arrivals) over ``--rates``, from the lowest, until a step fails (p99
+   over ``--p99-target-ms``, more than 0.1 % errors, or achieved under 95 % of offered), then ``--refine``
+   bisection steps between the last passing and the failing rate: **QPS at the p99 target** is the highest
+   achieved QPS of a passing step. **p99 at a fixed QPS** is each server's p99 at ``--fixed-qps`` (default: the
+   highest rate of ``--rates`` that every server passed).
+
+Front end: our server serving ``bench/mlp.py``'s trivial model (``y = x + 1`` on ``[1, 4]`` FP32, binary tensors
+in and out, the same batching settings) against ``bench/bare_server.py`` (aiohttp, reads the body, returns a
+fixed body), each given ``--frontend-requests`` requests (after 10 % as many to warm up) at each load: closed loop
+with ``--frontend-clients`` clients (each server at its own pace) and open loop at ``--frontend-rates`` (the same
+work per second for both: CPU per request of an event loop falls as load rises, so this is the like-for-like
+one); CPU seconds (utime + stime of the server process from ``/proc/PID/stat``) over the requests served.
+
+Writes ``OUT/peers.csv`` (one row per server and encoding, with ``*_vs_ours`` ratios: the server's value over
+ours), ``OUT/steps.csv`` (every load step), ``OUT/frontend.csv``, ``OUT/targets.csv``, ``OUT/peers.json`` (all of
+it plus the settings), the servers' logs, and prints the tables and whether each target is met. The load client
+runs on the same machine as the server (2 cores here): every server shares the cores with the same client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RATES = "100,200,300,400,500,600,700,800,1000,1200,1400,1600,1800,2000,2400,2800,3200,3600,4000"
+DEFAULT_PYTRITON_VENV = Path("/tmp/pytriton-venv/bin/python")
+SERVERS = ("ours", "nobatch", "pytriton")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Targets of the issue: (key, description, metric, comparison against the threshold)
+TARGET_QPS_RATIO = 2.0  # ours / PyTriton QPS at equal p99: at least
+TARGET_P50_RATIO = 1 / 3  # ours / PyTriton p50 at one client: at most
+TARGET_FRONTEND_RATIO = 2.0  # ours / bare CPU per request: at most
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def free_port() -> int:
+    from bench.server import free_port as fp
+
+    return fp()
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # fields from the 3rd (state) on; comm may hold spaces
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads) in seconds, from ``/proc/PID/stat``; nan if gone."""
+    f = _stat_fields(pid)
+    return (int(f[11]) + int(f[12])) / CLK_TCK if f else float("nan")
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (from the ppid field of ``/proc/*/stat``)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            f = _stat_fields(int(d))
+            if f:
+                children.setdefault(int(f[1]), []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds of ``pid`` and each of its descendants, by pid (so a delta only counts processes alive at
+    both ends: none come or go while a server serves)."""
+    return {p: cpu_seconds(p) for p in descendants(pid)}
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(after[p] - before[p] for p in after if p in before and not math.isnan(after[p] - before[p]))
+
+
+class Subprocess:
+    """A server started as ``cmd`` (cwd: the repo root), ready when ``GET base + ready_path`` answers 200."""
+
+    def __init__(self, cmd: list[str], workdir: Path, name: str, port: int, *, env: dict | None = None,
+                 timeout_s: float = 180.0, ready_path: str = "/v2/health/ready") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port
+        self.url = f"127.0.0.1:{port}"
+        self.base = f"http://{self.url}"
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the server runs
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
+        try:
+            end = time.monotonic() + timeout_s
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                if time.monotonic() > end:
+                    raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.log()[-4000:]}")
+                try:
+                    with urllib.request.urlopen(self.base + ready_path, timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM to the server, then SIGKILL to its process group after 30 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@dataclass
+class Running:
+    """A started server: what the load tool and the CPU accounting need."""
+
+    name: str
+    url: str
+    pid: int
+    metrics_url: str | None
+    handle: object  # ServerProcess or Subprocess (has .stop() and .log())
+    model: str = "mlp"
+
+
+def default_models_dir() -> Path:
+    """Where the generated models go: ``$BATCHER_CACHE_DIR/bench`` (the zoo's cache), else
+    ``~/.cache/trt-batcher/bench`` (kept out of ``--out``, so results can be committed without the 8 MB MLP)."""
+    env = os.environ.get("BATCHER_CACHE_DIR")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "trt-batcher") / "bench"
+
+
+def pytriton_python(given: str | None) -> str | None:
+    if given:
+        return given
+    if importlib.util.find_spec("pytriton") is not None:
+        return sys.executable
+    return str(DEFAULT_PYTRITON_VENV) if DEFAULT_PYTRITON_VENV.exists() else None
+
+
+def ours_config(model_path: Path, name: str, args: argparse.Namespace) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "log_level": "warning"},
+        "models": [{
+            "name": name, "path": str(model_path), "backend": "onnxruntime", "device": "cpu", "instances": 1,
+            "intra_op_threads": args.intra_op_threads, "max_batch_size": args.max_batch_size,
+            "max_queue_delay_us": args.max_queue_delay_us, "max_queue_size": 1024,
+            "warmup_batch_sizes": sorted({1, min(8, args.max_batch_size), args.max_batch_size}),
+        }],
+    }
+
+
+def start(kind: str, model_path: Path, model_name: str, workdir: Path, args: argparse.Namespace) -> Running:
+    if kind == "ours":
+        from bench.server import ServerProcess
+
+        s = ServerProcess(ours_config(model_path, model_name, args), workdir, name=f"ours-{model_name}")
+        return Running(kind, s.url, s.proc.pid, s.base + "/metrics", s, model_name)
+    port = free_port()
+    if kind == "nobatch":
+        cmd = [sys.executable, "-m", "bench.nobatch_server", "--model-path", str(model_path), "--model-name",
+               model_name, "--port", str(port), "--intra-op-threads", str(args.intra_op_threads)]
+        s = Subprocess(cmd, workdir, f"nobatch-{model_name}", port)
+        return Running(kind, s.url, s.proc.pid, None, s, model_name)
+    if kind == "bare":
+        cmd = [sys.executable, "-m", "bench.bare_server", "--port", str(port), "--model-name", model_name]
+        s = Subprocess(cmd, workdir, "bare", port)
+        return Running(kind, s.url, s.proc.pid, None, s, model_name)
+    if kind == "pytriton":
+        metrics_port = free_port()
+        cmd = [args.pytriton_python, "-m", "bench.pytriton_server", "--model-path", str(model_path),
+               "--model-name", model_name, "--port", str(port), "--metrics-port", str(metrics_port),
+               "--grpc-port", str(free_port()), "--max-batch-size", str(args.max_batch_size),
+               "--max-queue-delay-us", str(args.max_queue_delay_us),
+               "--intra-op-threads", str(args.intra_op_threads)]
+        s = Subprocess(cmd, workdir, f"pytriton-{model_name}", port, ready_path=f"/v2/models/{model_name}/ready")
+        return Running(kind, s.url, s.proc.pid, f"http://127.0.0.1:{metrics_port}/metrics", s, model_name)
+    raise ValueError(f"unknown server {kind!r}")
+
+
+def log_problems(text: str) -> list[str]:
+    """Lines of a server log that look like errors (tracebacks, ERROR/E-level lines, 5xx)."""
+    keys = ("Traceback", " ERROR ", "Error:", "Exception", " 500 ", " 502 ", " 503 ")
+    out = [ln for ln in text.splitlines() if any(k in ln for k in keys)]
+    # tritonserver's harmless startup notice
+    return [ln for ln in out if "model_config_content_name_ is empty" not in ln]
+
+
+# ------------------------------------------------------------------------------------------------- requests
+
+
+def mlp_requests(seed: int = 0) -> dict[str, tuple[bytes, dict[str, str]]]:
+    """The same one-row MLP request for every server, by encoding."""
+    from bench.sweep import build_request
+
+    x = np.random.default_rng(seed).random((1, 512), dtype=np.float32)
+    return {"json": build_request([("x", "FP32", x)], binary=False),
+            "binary": build_request([("x", "FP32", x)], binary=True)}
+
+
+def check_answer(server: Running, body: bytes, headers: dict[str, str], x_seed: int = 0) -> float:
+    """One request; the max abs difference of ``y`` from the numpy reference (raises on a non-200)."""
+    from bench.mlp import reference
+
+    req = urllib.request.Request(f"http://{server.url}/v2/models/{server.model}/infer", data=body, headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        data, hlen = r.read(), r.headers.get("Inference-Header-Content-Length")
+    head = json.loads(data[:int(hlen)] if hlen else data)
+    out = next(o for o in head["outputs"] if o["name"] == "y")
+    if "data" in out:
+        y = np.asarray(out["data"], np.float32).reshape(out["shape"])
+    else:
+        y = np.frombuffer(data[int(hlen):int(hlen) + out["parameters"]["binary_data_size"]], "<f4").reshape(out["shape"])
+    x = np.random.default_rng(x_seed).random((1, 512), dtype=np.float32)
+    return float(np.abs(y - reference(x)).max())
+
+
+# ----------------------------------------------------------------------------------------------------- load
+
+
+def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str, level: float,
+             duration: float, warmup: float, processes: int, client_timeout: float) -> dict:
+    """One step of the sweep tool (closed: ``level`` clients; open: ``level`` req/s) plus the server's CPU time
+    per 200 answer over the measured window (its process tree)."""
+    from bench.sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig(url=server.url, model=server.model, mode=mode,
+                      rates=[float(level)] if mode == "open" else [],
+                      concurrency=[int(level)] if mode == "closed" else [], duration=duration, warmup=warmup,
+                      processes=processes, client_timeout_s=client_timeout, metrics_url=server.metrics_url,
+                      progress=False)
+    marks: dict[str, dict[int, float]] = {}
+    lead = 0.3 if processes > 1 else 0.02
+    timer = threading.Timer(lead + warmup + (1.5 if processes > 1 else 0.0),
+                            lambda: marks.__setitem__("start", tree_cpu_seconds(server.pid)))
+    t0 = time.monotonic()
+    timer.start()
+    rows = run_sweep(cfg, body, headers)
+    timer.cancel()
+    cpu_after = tree_cpu_seconds(server.pid)
+    row = dict(rows[0])
+    if "start" in marks and row["ok"]:
+        row["cpu_ms_per_req"] = cpu_delta(marks["start"], cpu_after) / row["ok"] * 1e3
+        row["cpu_cores"] = cpu_delta(marks["start"], cpu_after) / max(time.monotonic() - t0 - warmup, 1e-9)
+    else:
+        row["cpu_ms_per_req"] = row["cpu_cores"] = float("nan")
+    return row
+
+
+def passes(row: dict, p99_target_ms: float) -> bool:
+    ok = row["ok"]
+    sched = row.get("scheduled_qps") or row.get("offered_qps") or 0
+    return (ok > 0 and row["p99_ms"] <= p99_target_ms and row["errors"] <= 0.001 * row["requests"]
+            and row["achieved_qps"] >= 0.95 * sched)
+
+
+def stopped_by(row: dict, p99_target_ms: float) -> str:
+    """Why an open-loop step failed (client-overload: the load client could not send in time, which means the
+    server's backlog hit --max-inflight or the client itself was the limit)."""
+    why = []
+    if not row["ok"] or row["p99_ms"] > p99_target_ms:
+        why.append(f"p99 {row['p99_ms']:.1f} ms")
+    if row["client_overload"]:
+        why.append(f"client-overload {row['client_overload']}")
+    if row["errors"] - row["client_overload"] > 0:
+        why.append(f"errors {row['errors_by_status']}")
+    sched = row.get("scheduled_qps") or row.get("offered_qps") or 0
+    if row["achieved_qps"] < 0.95 * sched:
+        why.append(f"achieved {row['achieved_qps']:.0f} < 95% of {sched:.0f}")
+    return ", ".join(why) or "?"
+
+
+def fmt_step(name: str, enc: str, row: dict) -> str:
+    lvl = f"{row['concurrency']} clients" if row["mode"] == "closed" else f"{row['offered_qps']:g} req/s"
+    extra = f", errors {row['errors_by_status']}" if row["errors"] else ""
+    batch = row.get("avg_batch_size")
+    return (f"  {name:<8} {enc:<6} {row['mode']:<6} {lvl:>13}: {row['achieved_qps']:8.1f} req/s  "
+            f"p50 {row['p50_ms']:7.2f}  p99 {row['p99_ms']:7.2f} ms  cpu {row['cpu_ms_per_req']:.3f} ms/req"
+            + (f"  batch {batch:.1f}" if batch else "") + extra)
+
+
+def measure_peer(server: Running, requests: dict, args: argparse.Namespace, steps: list[dict]) -> dict:
+    """Closed-loop steps for each encoding, then the open-loop search; appends to ``steps``; returns a summary."""
+    def step(enc: str, mode: str, level: float) -> dict:
+        body, headers = requests[enc]
+        row = one_step(server, body, headers, mode=mode, level=level, duration=args.duration,
+                       warmup=args.warmup, processes=args.processes, client_timeout=args.client_timeout)
+        row.update(server=server.name, encoding=enc)
+        steps.append(row)
+        print(fmt_step(server.name, enc, row), flush=True)
+        return row
+
+    summary: dict = {"server": server.name, "closed": {}, "open": []}
+    for enc in args.encodings:
+        summary["closed"][enc] = {c: step(enc, "closed", c) for c in args.clients}
+    rates = args.rates
+    enc = args.open_encoding
+    passed: list[dict] = []
+    failed: dict | None = None
+    for r in rates:
+        row = step(enc, "open", r)
+        summary["open"].append(row)
+        if passes(row, args.p99_target_ms):
+            passed.append(row)
+        else:
+            failed = row
+            break
+    if failed is not None and passed:
+        lo, hi = passed[-1]["offered_qps"], failed["offered_qps"]
+        for _ in range(args.refine):
+            mid = round((lo + hi) / 2)
+            if mid in (lo, hi):
+                break
+            row = step(enc, "open", mid)
+            summary["open"].append(row)
+            if passes(row, args.p99_target_ms):
+                passed.append(row)
+                lo = mid
+            else:
+                hi = mid
+    if args.fixed_qps and not any(abs(r["offered_qps"] - args.fixed_qps) < 1e-6 for r in summary["open"]):
+        summary["open"].append(step(enc, "open", args.fixed_qps))
+    best = max(passed, key=lambda r: r["achieved_qps"], default=None)
+    summary["qps_at_p99"] = (best["achieved_qps"] if best else 0.0) if rates else None
+    summary["qps_at_p99_offered"] = best["offered_qps"] if best else None
+    summary["qps_at_p99_p99_ms"] = best["p99_ms"] if best else None
+    summary["grid_passed"] = [r["offered_qps"] for r in passed if r["offered_qps"] in rates]
+    summary["search_complete"] = failed is not None
+    summary["stopped_by"] = stopped_by(failed, args.p99_target_ms) if failed is not None else "none failed"
+    print(f"  {server.name}: QPS at p99 <= {args.p99_target_ms:g} ms: {summary['qps_at_p99'] or 0:.1f} "
+          f"(search stopped by: {summary['stopped_by']})", flush=True)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ front end
+
+
+async def _fixed_count(url: str, body: bytes, headers: dict[str, str], load: tuple[str, float], n_warm: int,
+                       n: int, pid: int) -> dict:
+    """``n_warm`` then ``n`` requests at ``load`` (``("closed", clients)`` or ``("open", req/s)``, constant
+    arrivals) over one connection pool; the server's CPU seconds around the ``n``."""
+    import aiohttp
+
+    from bench.sweep import arrival_times, drive_open, make_sender
+
+    mode, level = load
+    limit = int(level) if mode == "closed" else 512
+    conn = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as session:
+        send = make_sender(session, url, body, headers)
+
+        async def run(count: int) -> tuple[np.ndarray, np.ndarray]:
+            if mode == "open":
+                s = await drive_open(arrival_times(level, count / level)[:count], send, max_inflight=limit)
+                return s.status, s.latency
+            left = count
+            statuses: list[int] = []
+            lats: list[float] = []
+
+            async def client() -> None:
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    t = time.perf_counter()
+                    statuses.append(await send())
+                    lats.append(time.perf_counter() - t)
+
+            await asyncio.gather(*(client() for _ in range(int(level))))
+            return np.asarray(statuses), np.asarray(lats)
+
+        await run(n_warm)
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        st, lat = await run(n)
+        cpu1, wall = cpu_seconds(pid), time.perf_counter() - t0
+    ok = int((st == 200).sum())
+    lat_ok = lat[st == 200] * 1e3
+    return {"requests": n, "ok": ok, "errors": n - ok, "wall_s": wall, "qps": ok / wall if wall else float("nan"),
+            "cpu_s": cpu1 - cpu0, "cpu_us_per_req": (cpu1 - cpu0) / ok * 1e6 if ok else float("nan"),
+            "cpu_cores": (cpu1 - cpu0) / wall if wall else float("nan"),
+            "p50_ms": float(np.percentile(lat_ok, 50)) if ok else float("nan"),
+            "p99_ms": float(np.percentile(lat_ok, 99)) if ok else float("nan")}
+
+
+def measure_frontend(trivial_path: Path, workdir: Path, args: argparse.Namespace) -> list[dict]:
+    from bench.sweep import build_request
+
+    x = np.random.default_rng(0).random((1, 4), dtype=np.float32)
+    body, headers = build_request([("x", "FP32", x)], binary=True)
+    loads = [("closed", float(c)) for c in args.frontend_clients] + [("open", float(r)) for r in args.frontend_rates]
+    rows = []
+    for kind in args.frontend_servers:
+        server = start(kind, trivial_path, "trivial", workdir, args)
+        try:
+            url = f"http://{server.url}/v2/models/trivial/infer"
+            for load in loads:
+                r = asyncio.run(_fixed_count(url, body, headers, load, max(args.frontend_requests // 10, 50),
+                                             args.frontend_requests, server.pid))
+                name = f"{load[1]:g} clients" if load[0] == "closed" else f"{load[1]:g} req/s"
+                r.update(server=kind, load=name, request_bytes=len(body))
+                rows.append(r)
+                print(f"  {kind:<8} {name:>12}: {r['ok']}/{r['requests']} ok, {r['qps']:8.1f} req/s, "
+                      f"CPU {r['cpu_s']:.2f} s = {r['cpu_us_per_req']:.1f} us/request ({r['cpu_cores']:.2f} "
+                      f"cores), p50 {r['p50_ms']:.2f} ms", flush=True)
+        finally:
+            server.handle.stop()
+            problems = log_problems(server.handle.log())
+            if problems:
+                print(f"  {kind}: {len(problems)} suspicious log lines, e.g. {problems[0][:200]}", flush=True)
+    for r in rows:
+        ours = next((o for o in rows if o["server"] == "ours" and o["load"] == r["load"]), None)
+        r["cpu_vs_ours"] = r["cpu_us_per_req"] / ours["cpu_us_per_req"] if ours else float("nan")
+        bare = next((o for o in rows if o["server"] == "bare" and o["load"] == r["load"]), None)
+        r["cpu_vs_bare"] = r["cpu_us_per_req"] / bare["cpu_us_per_req"] if bare else float("nan")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- output
+
+PEER_COLUMNS = ["server", "encoding", "p50_1client_ms", "qps_16clients", "p99_16clients_ms",
+                "cpu_ms_per_req_16clients", "avg_batch_16clients", "qps_at_p99", "p99_target_ms", "fixed_qps",
+                "p99_at_fixed_qps_ms"]
+RATIO_OF = ["p50_1client_ms", "qps_16clients", "p99_16clients_ms", "cpu_ms_per_req_16clients", "qps_at_p99",
+            "p99_at_fixed_qps_ms"]
+FRONTEND_COLUMNS = ["server", "load", "requests", "ok", "errors", "request_bytes", "wall_s", "qps", "cpu_s",
+                    "cpu_us_per_req", "cpu_cores", "p50_ms", "p99_ms", "cpu_vs_bare", "cpu_vs_ours"]
+STEP_COLUMNS = ["server", "encoding", "mode", "offered_qps", "concurrency", "achieved_qps", "requests", "ok",
+                "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "cpu_ms_per_req", "cpu_cores",
+                "errors_by_status", "client_overload", "peak_inflight", "send_lag_p99_ms", "duration_s"]
+
+
+def _num(v, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow([_num(r.get(c)) for c in columns])
+
+
+def table(columns: list[tuple[str, str, int]], rows: list[dict]) -> str:
+    cells = [[h for h, _, _ in columns]] + [[_num(r.get(k), d) if d >= 0 else str(r.get(k, ""))
+                                            for _, k, d in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def peer_rows(summaries: dict[str, dict], args: argparse.Namespace, fixed_qps: float | None) -> list[dict]:
+    rows = []
+    for enc in args.encodings:
+        for name, s in summaries.items():
+            closed = s["closed"][enc]
+            one = closed.get(1)
+            many = closed.get(max(args.clients))
+            row = {"server": name, "encoding": enc,
+                   "p50_1client_ms": one["p50_ms"] if one else None,
+                   "qps_16clients": many["achieved_qps"] if many else None,
+                   "p99_16clients_ms": many["p99_ms"] if many else None,
+                   "cpu_ms_per_req_16clients": many["cpu_ms_per_req"] if many else None,
+                   "avg_batch_16clients": many.get("avg_batch_size") if many else None}
+            if enc == args.open_encoding and s["qps_at_p99"] is not None:
+                at = next((r for r in s["open"] if fixed_qps and abs(r["offered_qps"] - fixed_qps) < 1e-6), None)
+                row.update(qps_at_p99=s["qps_at_p99"], p99_target_ms=args.p99_target_ms, fixed_qps=fixed_qps,
+                           p99_at_fixed_qps_ms=(at["p99_ms"] if at and at["ok"] else float("nan")))
+            rows.append(row)
+    for r in rows:
+        ours = next((o for o in rows if o["server"] == "ours" and o["encoding"] == r["encoding"]), None)
+        for k in RATIO_OF:
+            v, o = r.get(k), ours.get(k) if ours else None
+            r[f"{k}_vs_ours"] = (v / o if isinstance(v, (int, float)) and isinstance(o, (int, float)) and o
+                                 and not math.isnan(v) else float("nan"))
+    return rows
+
+
+def targets(summaries: dict, peers: list[dict], frontend: list[dict], args: argparse.Namespace) -> list[dict]:
+    out = []
+
+    def row(o: str, e: str, key: str) -> float | None:
+        r = next((p for p in peers if p["server"] == o and p["encoding"] == e), None)
+        return r.get(key) if r else None
+
+    enc = args.open_encoding
+    if "pytriton" in summaries and "ours" in summaries:
+        ours, pt = summaries["ours"]["qps_at_p99"], summaries["pytriton"]["qps_at_p99"]
+        if ours is not None and pt is not None:
+            ratio = ours / pt if pt else float("inf")
+            note = [] if summaries["ours"]["search_complete"] else [
+                "ours passed every rate of --rates: its QPS at the p99 target is higher than shown"]
+            if not summaries["pytriton"]["search_complete"]:
+                note.append("PyTriton passed every rate of --rates")
+            if "client-overload" in summaries["ours"].get("stopped_by", "") and "p99" not in summaries["ours"][
+                    "stopped_by"]:
+                note.append("ours' search ended on client overload with p99 under the target: the load client "
+                            "may be the limit (try --processes 2)")
+            out.append({"target": f"QPS at p99 <= {args.p99_target_ms:g} ms ({enc}): ours >= "
+                                  f"{TARGET_QPS_RATIO:g}x PyTriton", "ours": ours, "peer": pt, "ratio": ratio,
+                            "met": ratio >= TARGET_QPS_RATIO, "note": "; ".join(note)})
+        ours_c, pt_c = row("ours", "json", "qps_16clients"), row("pytriton", "json", "qps_16clients")
+        if ours_c and pt_c:
+            out.append({"target": f"closed loop {max(args.clients)} clients (json): ours >= {TARGET_QPS_RATIO:g}x "
+                                  f"PyTriton req/s (secondary; p99 not equal)", "ours": ours_c, "peer": pt_c,
+                        "ratio": ours_c / pt_c, "met": ours_c / pt_c >= TARGET_QPS_RATIO, "note": ""})
+        for e in args.encodings:
+            o, p = row("ours", e, "p50_1client_ms"), row("pytriton", e, "p50_1client_ms")
+            if o and p:
+                out.append({"target": f"p50 at 1 client ({e}): ours <= 1/3 of PyTriton", "ours": o, "peer": p,
+                            "ratio": o / p, "met": o / p <= TARGET_P50_RATIO, "note": ""})
+    for r in frontend:
+        if r["server"] == "ours" and not math.isnan(r.get("cpu_vs_bare", float("nan"))):
+            bare = next(b for b in frontend if b["server"] == "bare" and b["load"] == r["load"])
+            out.append({"target": f"front-end CPU/request at {r['load']}: ours <= "
+                                  f"{TARGET_FRONTEND_RATIO:g}x bare aiohttp", "ours": r["cpu_us_per_req"],
+                        "peer": bare["cpu_us_per_req"], "ratio": r["cpu_vs_bare"],
+                        "met": r["cpu_vs_bare"] <= TARGET_FRONTEND_RATIO, "note": "us CPU per request"})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def _clean(o):
+    """JSON-safe: nan/inf -> None, recursively."""
+    if isinstance(o, float):
+        return None if math.isnan(o) or math.isinf(o) else o
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def _list(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list (got {text!r})") from None
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="directory for the CSVs, JSON and server logs")
+    p.add_argument("--models-dir", type=Path, default=None,
+                   help="where the generated mlp.onnx and trivial.onnx go (default: $BATCHER_CACHE_DIR/bench or "
+                        "~/.cache/trt-batcher/bench)")
+    p.add_argument("--servers", type=_list(str), default=list(SERVERS),
+                   help=f"peers to measure, in order (default: {','.join(SERVERS)}); ours is the reference")
+    p.add_argument("--sections", type=_list(str), default=["peers", "frontend"],
+                   help="what to run: peers, frontend (default: both)")
+    g = p.add_argument_group("load (the sweep tool's settings)")
+    g.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
+    g.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each step (default: 1)")
+    g.add_argument("--clients", type=_list(int), default=[1, 16],
+                   help="closed-loop client counts (default: 1,16): p50 at 1, throughput and p99 at the largest (the "
+                        "*_16clients columns)")
+    g.add_argument("--encodings", type=_list(str), default=["json", "binary"],
+                   help="tensor encodings of the closed-loop steps: json, binary (default: json,binary)")
+    g.add_argument("--open-encoding", choices=["json", "binary"], default="json",
+                   help="tensor encoding of the open-loop search (default: json, as the reference figures)")
+    g.add_argument("--rates", type=_list(float), default=_list(float)(DEFAULT_RATES),
+                   help=f"open-loop offered rates, ascending, tried until one fails (default: {DEFAULT_RATES})")
+    g.add_argument("--p99-target-ms", type=float, default=50.0,
+                   help="p99 a passing open-loop step stays under (default: 50)")
+    g.add_argument("--refine", type=int, default=2,
+                   help="bisection steps between the last passing and the failing rate (default: 2)")
+    g.add_argument("--fixed-qps", type=float, default=None,
+                   help="rate for 'p99 at a fixed QPS', run for every server (default: the highest of --rates "
+                        "every server passed)")
+    g.add_argument("--processes", type=int, default=1, help="load client processes (default: 1)")
+    g.add_argument("--client-timeout", type=float, default=10.0, help="seconds per request (default: 10)")
+    g = p.add_argument_group("servers")
+    g.add_argument("--max-batch-size", type=int, default=32, help="ours and PyTriton (default: 32)")
+    g.add_argument("--max-queue-delay-us", type=int, default=500, help="ours and PyTriton (default: 500)")
+    g.add_argument("--intra-op-threads", type=int, default=1,
+                   help="ONNX Runtime intra-op threads of every server's session (default: 1: the other core "
+                        "serves HTTP and the load client)")
+    g.add_argument("--pytriton-python", default=None,
+                   help=f"Python with nvidia-pytriton and onnxruntime (default: this one if it has pytriton, else "
+                        f"{DEFAULT_PYTRITON_VENV})")
+    g = p.add_argument_group("front end")
+    g.add_argument("--frontend-servers", type=_list(str), default=["ours", "bare"],
+                   help="servers of the CPU test: ours, bare, nobatch (default: ours,bare)")
+    g.add_argument("--frontend-clients", type=_list(int), default=[16],
+                   help="closed-loop clients of the CPU test (default: 16; empty: none)")
+    g.add_argument("--frontend-rates", type=_list(float), default=[2000.0],
+                   help="open-loop rates of the CPU test (req/s, constant arrivals), so every server does the "
+                        "same work per second (default: 2000)")
+    g.add_argument("--frontend-requests", type=int, default=20000,
+                   help="requests per server and client count, after 10%% as many to warm up (default: 20000)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bad = [s for s in args.servers if s not in SERVERS] + [e for e in args.encodings if e not in ("json", "binary")]
+    bad += [s for s in args.frontend_servers if s not in ("ours", "bare", "nobatch")]
+    bad += [s for s in args.sections if s not in ("peers", "frontend")]
+    if bad:
+        print(f"error: unknown value(s) {bad}", file=sys.stderr)
+        return 2
+    if args.rates != sorted(args.rates):
+        print("error: --rates must be ascending", file=sys.stderr)
+        return 2
+    if "peers" in args.sections and "pytriton" in args.servers:
+        args.pytriton_python = pytriton_python(args.pytriton_python)
+        if not args.pytriton_python:
+            print(f"error: no Python with nvidia-pytriton: make {DEFAULT_PYTRITON_VENV.parent.parent} (python3 -m "
+                  f"venv ... && .../pip install nvidia-pytriton onnxruntime), pass --pytriton-python, or leave "
+                  f"pytriton out of --servers", file=sys.stderr)
+            return 2
+    from bench.mlp import write_mlp, write_trivial
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    models = args.models_dir or default_models_dir()
+    mlp_path, trivial_path = write_mlp(models / "mlp.onnx"), write_trivial(models / "trivial.onnx")
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings.update(python=sys.version.split()[0], machine=platform.platform(), cores=os.cpu_count())
+    print(f"peers: {', '.join(args.servers)}; MLP 512-2048-512 at {mlp_path}; {os.cpu_count()} cores", flush=True)
+
+    summaries: dict[str, dict] = {}
+    steps: list[dict] = []
+    problems: dict[str, list[str]] = {}
+    checks: dict[str, dict[str, float]] = {}
+    if "peers" in args.sections:
+        requests = mlp_requests()
+        for name in args.servers:
+            print(f"[{name}] starting", flush=True)
+            server = start(name, mlp_path, "mlp", logs, args)
+            try:
+                checks[name] = {e: check_answer(server, *requests[e]) for e in requests}
+                print(f"[{name}] answers match numpy: max abs diff "
+                      + ", ".join(f"{e} {v:.2e}" for e, v in checks[name].items()), flush=True)
+                summaries[name] = measure_peer(server, requests, args, steps)
+            finally:
+                server.handle.stop()
+                problems[name] = log_problems(server.handle.log())
+                if problems[name]:
+                    print(f"[{name}] {len(problems[name])} suspicious log lines, e.g. {problems[name][0][:200]}")
+            write_csv(out / "steps.csv", STEP_COLUMNS, steps)
+    fixed_qps = args.fixed_qps
+    if fixed_qps is None and summaries:
+        common = set(args.rates)
+        for s in summaries.values():
+            common &= set(s["grid_passed"])
+        fixed_qps = max(common) if common else None
+    peers = peer_rows(summaries, args, fixed_qps) if summaries else []
+
+    frontend: list[dict] = []
+    if "frontend" in args.sections:
+        print("[frontend] trivial model, binary tensors, fixed request count", flush=True)
+        frontend = measure_frontend(trivial_path, logs, args)
+    goals = targets(summaries, peers, frontend, args)
+
+    if peers:
+        write_csv(out / "peers.csv", PEER_COLUMNS + [f"{k}_vs_ours" for k in RATIO_OF], peers)
+        print("\npeers (MLP 512-2048-512, one row per request; *_vs_ours = server / ours)")
+        print(table([("server", "server", -1), ("enc", "encoding", -1), ("p50@1 ms", "p50_1client_ms", 2),
+                     (f"req/s@{max(args.clients)}", "qps_16clients", 1), (f"p99@{max(args.clients)} ms",
+                                                                            "p99_16clients_ms", 2),
+                     ("cpu ms/req", "cpu_ms_per_req_16clients", 3), ("batch", "avg_batch_16clients", 1),
+                     (f"QPS@p99<={args.p99_target_ms:g}", "qps_at_p99", 1),
+                     (f"p99@{fixed_qps or '-'}/s ms", "p99_at_fixed_qps_ms", 2),
+                     ("p50 vs ours", "p50_1client_ms_vs_ours", 2), ("req/s vs ours", "qps_16clients_vs_ours", 2),
+                     ("QPS@p99 vs ours", "qps_at_p99_vs_ours", 2), ("p99@QPS vs ours", "p99_at_fixed_qps_ms_vs_ours",
+                                                                  2)], peers))
+    if frontend:
+        write_csv(out / "frontend.csv", FRONTEND_COLUMNS, frontend)
+        print("\nfront end (trivial model, binary [1,4] FP32; CPU of the server process)")
+        print(table([("server", "server", -1), ("load", "load", -1), ("ok", "ok", 0), ("req/s", "qps", 1),
+                     ("CPU s", "cpu_s", 2), ("CPU us/req", "cpu_us_per_req", 1), ("cores", "cpu_cores", 2),
+                     ("p50 ms", "p50_ms", 2), ("vs bare", "cpu_vs_bare", 2)], frontend))
+    if goals:
+        write_csv(out / "targets.csv", ["target", "ours", "peer", "ratio", "met", "note"], goals)
+        print("\ntargets")
+        for g in goals:
+            print(f"  {'MET    ' if g['met'] else 'NOT MET'}  {g['target']}: ours {g['ours']:.3f}, peer "
+                  f"{g['peer']:.3f}, ratio {g['ratio']:.3f}" + (f" ({g['note']})" if g["note"] else ""))
+    (out / "peers.json").write_text(json.dumps(_clean({
+        "settings": settings, "fixed_qps": fixed_qps, "answer_max_abs_diff": checks, "summaries": summaries,
+        "peers": peers, "frontend": frontend, "targets": goals, "log_problems": problems,
+    }), indent=1, default=str))
+    print(f"\nwrote {', '.join(str(out / f) for f in ('peers.csv', 'steps.csv', 'frontend.csv', 'targets.csv', 'peers.json') if (out / f).exists())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
