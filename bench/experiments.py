@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/experiments"))
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
-    p.add_argument("--rates", default="200,400,600,800,1000,1200", help="offered rates of the batching sweep")
+    p.add_argument("--rates", default="400,800,1200,1600,2000,2400,2800", help="offered rates of the batching sweep")
     p.add_argument("--p99-ms", type=float, default=50.0, help="p99 target of the batching comparison")
     p.add_argument("--only", choices=["batching", "instances", "retention"], help="run one part")
     args = p.parse_args(argv)
