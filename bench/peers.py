@@ -53,8 +53,6 @@ import json
 import math
 import os
 import platform
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -65,7 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.server import Subprocess, free_port
+
 DEFAULT_RATES = "100,200,300,400,500,600,700,800,1000,1200,1400,1600,1800,2000,2400,2800,3200,3600,4000"
 DEFAULT_PYTRITON_VENV = Path("/tmp/pytriton-venv/bin/python")
 SERVERS = ("ours", "nobatch", "pytriton")
@@ -78,12 +77,6 @@ TARGET_FRONTEND_RATIO = 2.0  # ours / bare CPU per request: at most
 
 
 # ------------------------------------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    from bench.server import free_port as fp
-
-    return fp()
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -125,54 +118,6 @@ def tree_cpu_seconds(pid: int) -> dict[int, float]:
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(after[p] - before[p] for p in after if p in before and not math.isnan(after[p] - before[p]))
-
-
-class Subprocess:
-    """A server started as ``cmd`` (cwd: the repo root), ready when ``GET base + ready_path`` answers 200."""
-
-    def __init__(self, cmd: list[str], workdir: Path, name: str, port: int, *, env: dict | None = None,
-                 timeout_s: float = 180.0, ready_path: str = "/v2/health/ready") -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port
-        self.url = f"127.0.0.1:{port}"
-        self.base = f"http://{self.url}"
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the server runs
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
-        try:
-            end = time.monotonic() + timeout_s
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-                if time.monotonic() > end:
-                    raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.log()[-4000:]}")
-                try:
-                    with urllib.request.urlopen(self.base + ready_path, timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                    pass
-                time.sleep(0.2)
-        except BaseException:
-            self.stop()
-            raise
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        """SIGTERM to the server, then SIGKILL to its process group after 30 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,57 +25,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """A running ``python -m batcher serve``; ``url`` is host:port (tritonclient), ``base`` http://host:port.
-
-    Args:
-        config: a config dict (written to ``workdir/config.yaml``), a path to a YAML file, or None for the
-            embedded default config.
-        workdir: where the config and the server's log go.
-        env: extra environment variables for the server.
+class Subprocess:
+    """A server started as ``cmd`` (cwd: the repo root, its own process group), ready when ``GET base +
+    ready_path`` answers 200; ``url`` is host:port (tritonclient), ``base`` http://host:port.
 
     Raises:
-        RuntimeError: the server exited or was not ready within ``timeout_s``; the message holds its log.
+        RuntimeError: the process exited or was not ready within ``timeout_s``; the message holds its log.
     """
 
-    def __init__(self, config: dict | str | Path | None, workdir: Path, *, env: dict[str, str] | None = None,
-                 timeout_s: float = 180.0, name: str = "server") -> None:
+    def __init__(self, cmd: list[str], workdir: Path, name: str, port: int, *, env: dict[str, str] | None = None,
+                 timeout_s: float = 180.0, ready_path: str = "/v2/health/ready") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"127.0.0.1:{self.port}"
+        self.port = port
+        self.url = f"127.0.0.1:{port}"
         self.base = f"http://{self.url}"
-        cmd = [sys.executable, "-m", "batcher", "serve", "--port", str(self.port)]
-        if isinstance(config, dict):
-            path = workdir / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(config))
-            cmd += ["--config", str(path)]
-        elif config is not None:
-            cmd += ["--config", str(config)]
         self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the server runs
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         try:
-            self._wait_ready(timeout_s)
+            self._wait_ready(name, ready_path, timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, name: str, ready_path: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.base + "/v2/health/ready", timeout=1) as r:
+                with urllib.request.urlopen(self.base + ready_path, timeout=1) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
+        raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.log()[-4000:]}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -102,19 +91,46 @@ class ServerProcess:
         raise RuntimeError("no VmRSS line")
 
     def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 30 s; returns the exit code."""
+        """SIGTERM, then SIGKILL to the process group after 30 s; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(Subprocess):
+    """A running ``python -m batcher serve`` on a free port.
+
+    Args:
+        config: a config dict (written to ``workdir/<name>.yaml``), a path to a YAML file, or None for the
+            embedded default config.
+        workdir: where the config and the server's log go.
+        env: extra environment variables for the server.
+
+    Raises:
+        RuntimeError: the server exited or was not ready within ``timeout_s``; the message holds its log.
+    """
+
+    def __init__(self, config: dict | str | Path | None, workdir: Path, *, env: dict[str, str] | None = None,
+                 timeout_s: float = 180.0, name: str = "server") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        cmd = [sys.executable, "-m", "batcher", "serve", "--port", str(port)]
+        if isinstance(config, dict):
+            path = workdir / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            cmd += ["--config", str(path)]
+        elif config is not None:
+            cmd += ["--config", str(config)]
+        super().__init__(cmd, workdir, name, port, env=env, timeout_s=timeout_s)
