@@ -8,13 +8,16 @@ Rules:
 * Only requests whose inputs have identical non-batch shapes and datatypes share a batch (:func:`shape_key`):
   recogniser crops of different widths go to different batches.
 * A batch holds at most ``max_batch_size`` rows; a request counts all its rows and is never split.
-* The batch is led by the oldest waiting request; later requests with the same key join in arrival order while
-  they fit (a request that does not fit is skipped, not split, and leads a later batch).
+* The batch is led by the most urgent waiting request - highest priority level, then earliest deadline, then
+  arrival (:func:`urgency`); requests with the same key join in that order while they fit (a request that does not
+  fit is skipped, not split, and leads a later batch). Waiting longer than a bound promotes a request above every
+  priority level, so low priorities are never starved longer than that bound.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,24 +55,36 @@ class Pending:
     future: Any = None
     state: State = State.QUEUED
     timer: Any = field(default=None, repr=False)
+    #: priority level, 1 = highest (Triton's ``priority`` request parameter; 0 there means "the default level").
+    priority: int = 1
 
 
-def plan_batch(queue: Iterable[Pending], max_batch_size: int) -> tuple[list[Pending], int]:
-    """Choose the next batch from ``queue`` (arrival order) without changing it.
+def urgency(p: Pending, now: float, starve_after_s: float | None = None) -> tuple[int, float, float]:
+    """Sort key of the queue: priority level (1 = highest, Triton's convention), then earliest deadline, then
+    arrival. A request that has waited ``starve_after_s`` is promoted above every level (level 0), which bounds
+    how long lower priorities can be starved."""
+    level = p.priority
+    if starve_after_s is not None and now - p.arrival >= starve_after_s:
+        level = 0
+    return level, (p.deadline if p.deadline is not None else math.inf), p.arrival
+
+
+def plan_batch(
+    queue: Iterable[Pending], max_batch_size: int, now: float = 0.0, starve_after_s: float | None = None
+) -> tuple[list[Pending], int]:
+    """Choose the next batch from ``queue`` without changing it.
+
+    The most urgent QUEUED request (:func:`urgency`: priority, then earliest deadline, then arrival) leads; other
+    QUEUED requests with its shape key join in urgency order while they fit within ``max_batch_size`` rows.
 
     Returns:
-        ``(batch, rows)``: the oldest QUEUED request and the later QUEUED requests with its shape key that fit
-        within ``max_batch_size`` rows, in arrival order; ``([], 0)`` when nothing is queued.
+        ``(batch, rows)``, the batch in urgency order; ``([], 0)`` when nothing is queued.
     """
+    live = sorted((p for p in queue if p.state is State.QUEUED), key=lambda p: urgency(p, now, starve_after_s))
     batch: list[Pending] = []
     rows = 0
-    key = None
-    for p in queue:
-        if p.state is not State.QUEUED:
-            continue
-        if key is None:
-            key = p.key
-        elif p.key != key:
+    for p in live:
+        if p.key != live[0].key:
             continue
         if rows + p.rows > max_batch_size:
             if rows == max_batch_size:

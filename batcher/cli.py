@@ -141,6 +141,7 @@ def _serve(config, args) -> int:
                 "serving KServe v2 on http://%s:%s", server.host, server.port or "<ephemeral port>"),
             handle_signals=True,
             handler_cancellation=True,  # a client that goes away cancels its handler: queued work is dropped
+            shutdown_timeout=server.shutdown_grace_s,
         )
     except ConfigError as exc:
         log.error("%s", exc)

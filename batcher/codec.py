@@ -63,6 +63,8 @@ class InferRequest:
     outputs: list[RequestedOutput] | None = None
     binary_output: bool = False
     timeout_us: int | None = None
+    #: Triton's ``parameters.priority``: 1 is the highest level; None (or 0) means the model's default level.
+    priority: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
@@ -295,6 +297,7 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
         outputs=outputs,
         binary_output=bool(_bool_param(req_params, "binary_data_output", "request.parameters")),
         timeout_us=_int_param(req_params, "timeout", "request.parameters") or None,
+        priority=_int_param(req_params, "priority", "request.parameters") or None,
         parameters=req_params,
     )
 

@@ -127,6 +127,15 @@ class ModelConfig(_Strict):
     #: max_batch_size on CUDA (cuDNN picks and caches kernels per shape: an unwarmed size costs a search on the
     #: first real request), only 1 on CPU.
     warmup_batch_sizes: list[int] | None = None
+    #: priority levels (Triton's priority_levels): a request's ``parameters.priority`` 1..N, 1 served first;
+    #: 0 or none means default_priority_level (default: the middle level).
+    priority_levels: int = Field(1, ge=1, le=16)
+    default_priority_level: int | None = Field(None, ge=1)
+    #: a request waiting this long is served before every priority level: the bound on starvation (ms).
+    max_priority_wait_ms: int = Field(1000, ge=1)
+    #: answer at once (503 + Retry-After from the estimated drain time) a request whose deadline cannot be met
+    #: given the rows queued and executing ahead of it, instead of queueing it to time out.
+    admission_control: bool = True
     #: another model that takes this model's requests when this one is unavailable (not loadable, or no room in the
     #: memory budget) or its queue holds fallback_queue_depth requests or more; responses name the model that ran.
     fallback: str | None = None
@@ -159,6 +168,9 @@ class ModelConfig(_Strict):
             )
         if self.backend == "onnxruntime" and (self.build is not None or self.runtime != "auto"):
             raise ValueError("build and runtime apply to backend tensorrt only")
+        if self.default_priority_level is not None and self.default_priority_level > self.priority_levels:
+            raise ValueError(f"default_priority_level {self.default_priority_level} exceeds priority_levels "
+                             f"{self.priority_levels}")
         if self.fallback_queue_depth is not None and self.fallback is None:
             raise ValueError("fallback_queue_depth needs a fallback model")
         if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
@@ -176,6 +188,9 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     #: a request body must arrive within this many seconds (slow or stalled uploads get 408).
     read_timeout_s: float = Field(30.0, gt=0)
+    #: on SIGTERM/SIGINT the server stops accepting connections and lets accepted requests finish for at most
+    #: this long before releasing the models.
+    shutdown_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: eager: every model loaded and warmed before the server is ready; lazy: loaded on first use; lru: lazy, and
     #: least recently used idle models are unloaded so that the loaded ones fit memory_budget_mb.

@@ -220,7 +220,8 @@ async def infer(request: web.Request) -> web.Response:
         except InvalidInput:
             runner.metrics.fail("invalid")
             raise
-        outputs = await runner.infer(req.inputs, rows=rows, received=received, deadline=deadline)
+        outputs = await runner.infer(req.inputs, rows=rows, received=received, deadline=deadline,
+                                     priority=req.priority)
     finally:
         registry.release(slot)
     if rows * sum(a.itemsize * a[0].size for a in outputs.values()) > OFFLOAD_BYTES:

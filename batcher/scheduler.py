@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from engines.datatypes import NUMPY_DTYPES
 
 from .batching import Pending, State, batch_is_full, plan_batch, shape_key, split_outputs, stack_inputs
 from .config import ModelConfig
-from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, Unavailable
+from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, InvalidInput, Unavailable
 from .metrics import ModelMetrics
 from .signature import ModelSignature
 
@@ -158,6 +159,12 @@ class ModelRunner:
         self._wakeup = asyncio.Event()
         self._delay_s = cfg.max_queue_delay_us / 1e6
         self._last_arrival = 0.0
+        self._queued_rows = 0
+        self._executing_rows = 0
+        self._row_s: float | None = None  # moving average of execution seconds per row
+        levels = cfg.priority_levels
+        self._default_level = cfg.default_priority_level or (levels + 1) // 2
+        self._starve_s = cfg.max_priority_wait_ms / 1e3 if levels > 1 else None
         self._gap_s = 1.0  # moving average of the time between arrivals (s), capped at 1 s
         self._max_batch = signature.max_batch_size
         self._preferred = tuple(cfg.preferred_batch_sizes)
@@ -181,7 +188,8 @@ class ModelRunner:
         return rows
 
     async def infer(
-        self, inputs: dict[str, np.ndarray], *, rows: int, received: float, deadline: float | None = None
+        self, inputs: dict[str, np.ndarray], *, rows: int, received: float, deadline: float | None = None,
+        priority: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Queue one validated request and wait for its outputs.
 
@@ -189,13 +197,16 @@ class ModelRunner:
             inputs: validated inputs (see :meth:`validate`), first dim ``rows``.
             received: event-loop time (s, monotonic) the request arrived.
             deadline: event-loop time after which it must not start executing (:func:`request_deadline`).
+            priority: priority level 1..priority_levels (1 first); None: the model's default level.
 
         Returns:
             the request's rows of every output.
 
         Raises:
-            Unavailable: queue full or model closing (503). DeadlineExceeded: deadline passed before execution
-            (504). ExecutionFailed: engine error for its batch (500).
+            InvalidInput: priority outside 1..priority_levels (400). Unavailable: queue full, model closing, or
+            (admission control) the rows ahead cannot drain before the deadline (503 + Retry-After from the
+            estimated drain time). DeadlineExceeded: deadline passed before execution (504). ExecutionFailed:
+            engine error for its batch (500).
         """
         m = self.metrics
         try:
@@ -205,7 +216,16 @@ class ModelRunner:
                 raise Unavailable(
                     f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})"
                 )
-            p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future())
+            if priority is None:
+                level = self._default_level
+            elif 1 <= priority <= self.cfg.priority_levels:
+                level = priority
+            else:
+                raise InvalidInput(f"model '{self.name}': priority {priority} is outside 1..{self.cfg.priority_levels}")
+            if deadline is not None and self.cfg.admission_control:
+                self._admit(rows, deadline)
+            p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
+                        priority=level)
             gap = received - self._last_arrival
             self._last_arrival = received
             self._gap_s += GAP_EWMA_ALPHA * (min(gap, 1.0) - self._gap_s)
@@ -214,6 +234,7 @@ class ModelRunner:
                     raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
                 p.timer = self._loop.call_at(deadline, self._expire, p)
             self._queue.append(p)
+            self._queued_rows += rows
             self._set_depth(self._depth + 1)
             self._wakeup.set()
             try:
@@ -234,6 +255,28 @@ class ModelRunner:
         self.stats.last_inference_ms = int(time.time() * 1e3)
         return result
 
+    def drain_seconds(self) -> float | None:
+        """Estimated time until a newly queued request would start executing: the rows queued and executing
+        ahead of it, at the measured seconds per row, spread over the instances. None before any batch ran."""
+        if self._row_s is None:
+            return None
+        ahead = self._queued_rows + self._executing_rows
+        return ahead * self._row_s / len(self._contexts) if ahead else 0.0
+
+    def _admit(self, rows: int, deadline: float) -> None:
+        drain = self.drain_seconds()
+        if drain is None:
+            return
+        now = self._loop.time()
+        if now >= deadline:
+            raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
+        if now + drain > deadline:
+            raise Unavailable(
+                f"model '{self.name}': the {self._queued_rows + self._executing_rows} rows ahead need about "
+                f"{drain * 1e3:.0f} ms, beyond this request's deadline in {(deadline - now) * 1e3:.0f} ms",
+                retry_after_s=max(1, math.ceil(drain)),
+            )
+
     def _set_depth(self, n: int) -> None:
         self._depth = n
         self.metrics.queue_depth.set(n)
@@ -243,6 +286,7 @@ class ModelRunner:
         p.state = State.DONE
         if p.timer is not None:
             p.timer.cancel()
+        self._queued_rows -= p.rows
         self._set_depth(self._depth - 1)
 
     def _expire(self, p: Pending) -> None:
@@ -273,6 +317,9 @@ class ModelRunner:
                 self.metrics.queue_duration.observe(now - p.arrival)
                 self.stats.queue.add(now - p.arrival)
             self._set_depth(self._depth - len(batch))
+            rows = sum(p.rows for p in batch)
+            self._queued_rows -= rows
+            self._executing_rows += rows
             fut = self._loop.run_in_executor(self._executors[idx], self._execute, self._contexts[idx], batch)
             self._running.add(fut)
             fut.add_done_callback(partial(self._finish, idx, batch))
@@ -282,9 +329,13 @@ class ModelRunner:
             self._wakeup.clear()
             if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
                 self._queue = [p for p in self._queue if p.state is State.QUEUED]
-            batch, rows = plan_batch(self._queue, self._max_batch)
+            now = self._loop.time()
+            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s)
             if batch:
-                wait = batch[0].arrival + self._delay_s - self._loop.time()
+                wait = min(p.arrival for p in batch) + self._delay_s - now
+                deadlines = [p.deadline for p in batch if p.deadline is not None]
+                if deadlines and self._row_s is not None:  # close the window early for a deadline that needs it
+                    wait = min(wait, min(deadlines) - now - rows * self._row_s)
                 if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
                         or not worth_waiting(self._gap_s, self._delay_s)):
                     taken = set(map(id, batch))
@@ -332,6 +383,7 @@ class ModelRunner:
     def _finish(self, idx: int, batch: list[Pending], fut: asyncio.Future) -> None:
         self._running.discard(fut)
         self._idle.put_nowait(idx)
+        self._executing_rows -= sum(p.rows for p in batch)
         if fut.cancelled():
             outcomes: list = [Unavailable(f"model '{self.name}' is shutting down")] * len(batch)
         elif fut.exception() is not None:  # a bug, not an engine error: fail the batch, keep serving
@@ -349,6 +401,8 @@ class ModelRunner:
                 m.compute_infer.inc(t_infer)
                 m.compute_output.inc(t_output)
                 self.stats.batch(rows, len(batch), t_input, t_infer, t_output)
+                row_s = (t_input + t_infer + t_output) / rows
+                self._row_s = row_s if self._row_s is None else self._row_s + 0.2 * (row_s - self._row_s)
         for p, out in zip(batch, outcomes):
             p.state = State.DONE
             if p.future.done():  # client went away; its rows are discarded

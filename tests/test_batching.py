@@ -64,3 +64,23 @@ def test_the_batch_window_is_held_only_when_more_requests_are_likely():
     assert worth_waiting(0.0002, 0.0005)  # arrivals 0.2 ms apart: a 0.5 ms window gathers more
     assert not worth_waiting(0.002, 0.0005)  # 2 ms apart: a lone request would wait for nothing
     assert not worth_waiting(0.0001, 0.0)  # no window configured
+
+
+def _pd(t: float, deadline: float | None = None, priority: int = 1, rows: int = 1) -> Pending:
+    inputs = {"x": np.zeros((rows, 3), np.float32)}
+    return Pending(inputs, rows, shape_key(inputs), arrival=t, deadline=deadline, priority=priority)
+
+
+def test_earliest_deadline_first_then_arrival():
+    q = [_pd(0.0), _pd(0.1, deadline=5.0), _pd(0.2, deadline=2.0), _pd(0.3)]
+    batch, _ = plan_batch(q, 2, now=0.5)
+    assert batch == [q[2], q[1]]  # deadlines first, earliest first; requests without one after, by arrival
+    batch, _ = plan_batch(q, 4, now=0.5)
+    assert batch == [q[2], q[1], q[0], q[3]]
+
+
+def test_priority_levels_then_the_starvation_bound():
+    low_old, high_new = _pd(0.0, priority=2), _pd(0.9, priority=1)
+    assert plan_batch([low_old, high_new], 1, now=1.0, starve_after_s=5.0)[0] == [high_new]
+    # waited 1 s >= the 0.5 s bound: promoted above every level
+    assert plan_batch([low_old, high_new], 1, now=1.0, starve_after_s=0.5)[0] == [low_old]

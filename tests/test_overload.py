@@ -12,12 +12,14 @@ import orjson
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "instances": 1, "intra_op_threads": 1, "max_batch_size": 8}
 
 
-def _binary_request(x: np.ndarray, timeout_us: int | None = None) -> dict:
+def _binary_request(x: np.ndarray, timeout_us: int | None = None, priority: int | None = None) -> dict:
     head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
                         "parameters": {"binary_data_size": x.nbytes}}],
             "parameters": {"binary_data_output": True}}
     if timeout_us is not None:
         head["parameters"]["timeout"] = timeout_us
+    if priority is not None:
+        head["parameters"]["priority"] = priority
     h = orjson.dumps(head)
     return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
 
@@ -165,3 +167,77 @@ async def test_stalled_upload_gets_408(start_server):
     assert head.startswith(b"HTTP/1.1 408"), head
     assert 0.25 <= loop.time() - t0 <= 2.0
     writer.close()
+
+
+async def test_higher_priority_is_served_first(start_server):
+    """Two levels; while a blocker runs, three level-2 requests queue, then one level-1 request: it runs next."""
+    server = start_server({"models": [{**MID, "max_batch_size": 1, "priority_levels": 2,
+                                       "default_priority_level": 2, "max_priority_wait_ms": 60000}]})
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    done: list[str] = []
+    async with aiohttp.ClientSession() as s:
+
+        async def post(tag, priority=None):
+            async with s.post(url, **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
+                assert r.status == 200, await r.text()
+            done.append(tag)
+
+        blocker = asyncio.create_task(post("blocker"))
+        await asyncio.sleep(0.02)
+        lows = [asyncio.create_task(post(f"low{i}")) for i in range(3)]
+        await asyncio.sleep(0.02)
+        high = asyncio.create_task(post("high", priority=1))
+        await asyncio.gather(blocker, *lows, high)
+    assert done.index("high") < min(done.index(f"low{i}") for i in range(3)), done
+
+
+async def test_bad_priority_is_400(start_server):
+    server = start_server({"models": [{**MID, "priority_levels": 2}]})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
+                          **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=3)) as r:
+            assert r.status == 400
+            assert "priority 3 is outside 1..2" in (await r.json())["error"]
+
+
+async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met(start_server):
+    """Once the server has measured execution time, a request whose deadline falls before the rows ahead of it
+    can drain gets 503 with a Retry-After from the estimated drain time at once, not a 504 after waiting."""
+    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    labels = {"model": "mid_cnn", "version": "1"}
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+
+        async def post(x, timeout_us=None):
+            t0 = loop.time()
+            async with s.post(url, **_binary_request(x, timeout_us)) as r:
+                return r.status, r.headers.get("Retry-After"), await r.read(), loop.time() - t0
+
+        assert (await post(np.ones((2, 3, 224, 224), np.float32)))[0] == 200  # measures seconds per row
+        slow = asyncio.create_task(post(np.ones((8, 3, 224, 224), np.float32)))
+        await asyncio.sleep(0.1)
+        status, retry_after, body, elapsed = await post(np.ones((1, 3, 224, 224), np.float32), timeout_us=100_000)
+        assert status == 503, body
+        assert "rows ahead need about" in orjson.loads(body)["error"]
+        assert int(retry_after) >= 1
+        assert elapsed < 0.08  # answered at once, well before its 100 ms deadline
+        assert (await slow)[0] == 200
+    assert server.metric("batcher_execution_count_total", **labels) == 2  # the rejected request never ran
+
+
+async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
+    server = start_server({"server": {"shutdown_grace_s": 20}, "models": [{**MID, "max_queue_delay_us": 0}]})
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    async with aiohttp.ClientSession() as s:
+
+        async def post(rows):
+            async with s.post(url, **_binary_request(np.ones((rows, 3, 224, 224), np.float32))) as r:
+                return r.status
+
+        tasks = [asyncio.create_task(post(8)), asyncio.create_task(post(1)), asyncio.create_task(post(1))]
+        await asyncio.sleep(0.2)  # accepted: one batch executing, two requests queued
+        server.proc.terminate()
+        assert await asyncio.gather(*tasks) == [200, 200, 200]
+    assert await asyncio.to_thread(server.proc.wait, 30) == 0
+    assert "stopped" in server.log()
