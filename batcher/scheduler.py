@@ -10,7 +10,9 @@ Flow for one model::
              --> each request's own future, settled exactly once on the event loop
 
 Deadlines: a queued request whose deadline passes is answered 504 at that moment by its own timer (not when a
-context frees up) and is never executed; the executor thread checks again just before running the batch.
+context frees up) and is never executed; the executor thread checks again just before running the batch; a
+request whose deadline passes while its batch executes is answered 504 then and its rows are discarded, so no
+answer ever comes after a request's deadline.
 
 An engine error fails only its batch (500 with the engine's reason); the model keeps serving.
 """
@@ -270,7 +272,8 @@ class ModelRunner:
         now = self._loop.time()
         if now >= deadline:
             raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
-        if now + drain > deadline:
+        # finished in time = the rows ahead drained and its own rows executed before the deadline
+        if now + drain + rows * self._row_s / len(self._contexts) > deadline:
             raise Unavailable(
                 f"model '{self.name}': the {self._queued_rows + self._executing_rows} rows ahead need about "
                 f"{drain * 1e3:.0f} ms, beyond this request's deadline in {(deadline - now) * 1e3:.0f} ms",
@@ -290,15 +293,21 @@ class ModelRunner:
         self._set_depth(self._depth - 1)
 
     def _expire(self, p: Pending) -> None:
-        if p.state is not State.QUEUED:
+        """A request's deadline timer: answer 504 now, whether it is still queued (it will never run) or its batch
+        is executing (its rows will be discarded): no answer is sent after a deadline."""
+        waited_ms = (self._loop.time() - p.arrival) * 1e3
+        if p.state is State.QUEUED:
+            self._settle_queued(p)
+            where = "in the queue"
+            self._wakeup.set()
+        elif p.state is State.EXECUTING:
+            where = "while its batch was executing; its result is discarded"
+        else:
             return
-        self._settle_queued(p)
         if not p.future.done():
-            waited_ms = (self._loop.time() - p.arrival) * 1e3
             p.future.set_exception(
-                DeadlineExceeded(f"model '{self.name}': deadline expired after {waited_ms:.1f} ms in the queue")
+                DeadlineExceeded(f"model '{self.name}': deadline expired after {waited_ms:.1f} ms {where}")
             )
-        self._wakeup.set()
 
     # ------------------------------------------------------------------ batcher
     async def _batcher(self) -> None:
@@ -311,9 +320,7 @@ class ModelRunner:
                 raise
             now = self._loop.time()
             for p in batch:
-                p.state = State.EXECUTING
-                if p.timer is not None:
-                    p.timer.cancel()
+                p.state = State.EXECUTING  # its deadline timer stays armed (see _expire)
                 self.metrics.queue_duration.observe(now - p.arrival)
                 self.stats.queue.add(now - p.arrival)
             self._set_depth(self._depth - len(batch))
@@ -356,11 +363,16 @@ class ModelRunner:
             inputs, executing and splitting outputs, and the rows executed.
         """
         now = time.monotonic()
-        live = [p for p in batch if p.deadline is None or now < p.deadline]
+        # a request that would finish after its deadline is not run (its answer would be a 504 anyway): the work
+        # goes to requests that can still make it
+        row_s = self._row_s
+        finish = now + (sum(p.rows for p in batch) * row_s if row_s is not None else 0.0)
+        live = [p for p in batch if p.deadline is None or finish < p.deadline]
         results: dict[int, object] = {}
         for p in batch:
-            if p.deadline is not None and now >= p.deadline:
-                results[id(p)] = DeadlineExceeded(f"model '{self.name}': deadline expired before execution")
+            if p.deadline is not None and finish >= p.deadline:
+                results[id(p)] = DeadlineExceeded(
+                    f"model '{self.name}': deadline expired, or would before execution finished; not executed")
         rows = sum(p.rows for p in live)
         t0 = t1 = t2 = t3 = 0.0
         if live:
@@ -405,7 +417,9 @@ class ModelRunner:
                 self._row_s = row_s if self._row_s is None else self._row_s + 0.2 * (row_s - self._row_s)
         for p, out in zip(batch, outcomes):
             p.state = State.DONE
-            if p.future.done():  # client went away; its rows are discarded
+            if p.timer is not None:
+                p.timer.cancel()
+            if p.future.done():  # client went away or deadline passed: its rows are discarded
                 continue
             if isinstance(out, BaseException):
                 p.future.set_exception(out)

@@ -241,3 +241,19 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
         assert await asyncio.gather(*tasks) == [200, 200, 200]
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
     assert "stopped" in server.log()
+
+
+async def test_no_answer_after_the_deadline_even_while_executing(start_server):
+    """A request whose batch is still executing at its deadline gets 504 at the deadline, not its late result."""
+    server = start_server({"models": [{**MID, "max_queue_delay_us": 0, "admission_control": False}]})
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        t0 = loop.time()
+        async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
+                          **_binary_request(np.ones((8, 3, 224, 224), np.float32), timeout_us=150_000)) as r:
+            body = await r.json()
+        elapsed = loop.time() - t0
+    assert r.status == 504 and "while its batch was executing" in body["error"]
+    assert 0.15 <= elapsed <= 0.25, elapsed  # the 8-row batch takes ~0.5 s
+    labels = {"model": "mid_cnn", "version": "1"}
+    assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1

@@ -1,0 +1,78 @@
+"""Goodput under overload: does the server keep doing useful work at twice its capacity?
+
+    python -m bench.overload --out bench/results/overload
+
+One ``batcher serve`` (tiny_cnn on CPU, one instance, one intra-op thread, dynamic batching), requests with a
+deadline (``parameters.timeout``, default 200 ms), our load tool on 127.0.0.1:
+
+1. capacity: closed loop with 32 clients, the achieved requests/s;
+2. open loop (Poisson) at 1x and 2x that capacity: goodput = requests answered 200 within their deadline per
+   second, the status counts, and the slowest 200 (no answer may come after its deadline: the server answers 504
+   at the deadline, queued or executing, and admission control refuses at once what cannot make it).
+
+Target (issue): goodput at 2x capacity >= 90% of goodput at capacity, and no response after its deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.server import ServerProcess
+
+MODEL = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "instances": 1, "intra_op_threads": 1,
+         "max_batch_size": 16, "max_queue_delay_us": 2000, "max_queue_size": 4096}
+
+
+def _sweep(server: ServerProcess, out: Path, *args: str) -> list[dict]:
+    subprocess.run([sys.executable, "-m", "bench", "sweep", "--url", server.url, "--model", "tiny_cnn",
+                    "--out", str(out), "--no-progress", *args], check=True, stdout=subprocess.DEVNULL)
+    with (out / "sweep.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results/overload"))
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--timeout-ms", type=float, default=200.0, help="each request's deadline")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    timeout_us = str(int(args.timeout_ms * 1000))
+    with tempfile.TemporaryDirectory() as tmp, ServerProcess({"models": [MODEL]}, Path(tmp), name="overload") as server:
+        cap = _sweep(server, Path(tmp) / "capacity", "--mode", "closed", "--concurrency", "32", "--duration",
+                     str(args.duration), "--warmup", "2", "--timeout-us", timeout_us)[0]
+        capacity = float(cap["achieved_qps"])
+        rates = f"{capacity:.0f},{2 * capacity:.0f}"
+        rows = _sweep(server, Path(tmp) / "open", "--rates", rates, "--arrivals", "poisson", "--duration",
+                      str(args.duration), "--warmup", "2", "--timeout-us", timeout_us, "--max-inflight", "100000")
+        log = server.log()
+    out = []
+    for load, r in zip(("1x", "2x"), rows):
+        out.append({"load": load, "offered_qps": r["offered_qps"], "goodput_qps": r["achieved_qps"],
+                    "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "max_200_ms": r["max_ms"],
+                    "errors_by_status": r["errors_by_status"], "avg_batch": r["avg_batch_size"]})
+    ratio = float(out[1]["goodput_qps"]) / float(out[0]["goodput_qps"])
+    late = [r for r in out if r["max_200_ms"] and float(r["max_200_ms"]) > args.timeout_ms]
+    with (args.out / "overload.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(out[0]))
+        w.writeheader()
+        w.writerows(out)
+    print(f"capacity (closed loop, 32 clients): {capacity:.1f} req/s, p99 {cap['p99_ms']} ms")
+    keys = list(out[0])
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in out:
+        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+    print(f"goodput at 2x / at 1x = {ratio:.3f} (target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'}); "
+          f"200s slower than the {args.timeout_ms:g} ms deadline (client-measured, from the scheduled send): "
+          f"{'none' if not late else ', '.join(r['load'] for r in late)}")
+    print(f"server log lines with Traceback: {log.count('Traceback')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
