@@ -15,7 +15,7 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .codec import HEADER_LENGTH, decode_request, encode_response
-from .errors import BatcherError, InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
+from .errors import BatcherError, DeadlineExceeded, InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
 from .keys import CONFIG, METRICS, REGISTRY
 from .registry import READY, ConfigError, ModelSlot
 from .scheduler import request_deadline
@@ -230,6 +230,9 @@ async def infer(request: web.Request) -> web.Response:
         )
     else:
         out, json_length = encode_response(runner.name, runner.version, outputs, req)
+    if deadline is not None and loop.time() > deadline:  # encoding ran past it: a late answer is not sent
+        runner.metrics.fail("timeout")
+        raise DeadlineExceeded(f"model '{runner.name}': the answer was ready after the request's deadline")
     if json_length is None:
         return web.Response(body=out, content_type="application/json")
     return web.Response(
