@@ -53,6 +53,17 @@ async def _use(request: web.Request, deadline: float | None = None) -> AsyncIter
         registry.release(slot)
 
 
+@routes.get("/v2/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    """This API's OpenAPI 3 description (``configs/openapi.yaml``)."""
+    import importlib.resources
+
+    import yaml
+
+    text = importlib.resources.files("configs").joinpath("openapi.yaml").read_text(encoding="utf-8")
+    return _json(yaml.safe_load(text))
+
+
 @routes.get("/v2/health/live")
 async def live(request: web.Request) -> web.Response:
     return _json({"live": True})
