@@ -108,6 +108,10 @@ class ModelConfig(_Strict):
     #: tensorrt only, for an .onnx path: how to build the plan (cached by content, TensorRT version, GPU).
     build: TensorRTBuildConfig | None = None
     device: Literal["cpu", "cuda"] = "cpu"
+    #: inprocess: contexts run in the server process; multiproc (onnxruntime): each context runs in a supervised
+    #: worker process (Unix socket + shared memory), so a crash there fails only its batch (503) and the worker is
+    #: restarted with backoff.
+    mode: Literal["inprocess", "multiproc"] = "inprocess"
     #: execution contexts (each with its own executor thread), Triton's instance_group count.
     instances: int = Field(1, ge=1, le=64)
     #: intra-op threads of each ONNX Runtime context; 0 lets ONNX Runtime use every core.
@@ -166,6 +170,8 @@ class ModelConfig(_Strict):
             raise ValueError(
                 f"preferred_batch_sizes {self.preferred_batch_sizes} exceed max_batch_size {self.max_batch_size}"
             )
+        if self.mode == "multiproc" and self.backend != "onnxruntime":
+            raise ValueError("mode multiproc is available for backend onnxruntime only")
         if self.backend == "onnxruntime" and (self.build is not None or self.runtime != "auto"):
             raise ValueError("build and runtime apply to backend tensorrt only")
         if self.default_priority_level is not None and self.default_priority_level > self.priority_levels:

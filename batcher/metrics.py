@@ -113,6 +113,9 @@ class Metrics:
             registry=r,
         )
         self.retention.set(float("nan"))
+        self.worker_restart = Counter(
+            "batcher_worker_restart", "Worker processes (mode: multiproc) replaced after they died", labels, registry=r,
+        )
         self.model_load_duration = Histogram(
             "batcher_model_load_duration_seconds", "Time to load a model (engine, contexts, warm-up)", labels,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,

@@ -24,6 +24,7 @@ import ctypes
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +65,7 @@ class Loaded:
         _release(self.engine, self.contexts)
 
 
-def load_model(cfg: ModelConfig, where: str) -> Loaded:
+def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | None = None) -> Loaded:
     """Load one model: resolve its path, open the engine, create ``instances`` contexts, warm each up once.
 
     Blocking; call it from a worker thread.
@@ -84,7 +85,7 @@ def load_model(cfg: ModelConfig, where: str) -> Loaded:
     contexts: list[ExecutionContext] = []
     engine: Engine | None = None
     try:
-        engine = open_engine(cfg, path)
+        engine = open_engine(cfg, path, on_restart)
         signature = ModelSignature.build(engine, cfg, where)
         sizes = warmup_batch_sizes(cfg, signature.max_batch_size)
         for _ in range(cfg.instances):
@@ -123,12 +124,16 @@ def trim_heap() -> None:
         pass
 
 
-def open_engine(cfg: ModelConfig, path: Path) -> Engine:
+def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | None = None) -> Engine:
     """Open ``path`` with the config's backend; an .onnx file for ``tensorrt`` is built into a cached plan first.
 
     Raises:
         EngineError: the backend is not installed, the file cannot be loaded, or the build fails.
     """
+    if cfg.backend == "onnxruntime" and cfg.mode == "multiproc":
+        from engines.multiproc import MultiprocEngine
+
+        return MultiprocEngine(path, on_restart=on_restart, device=cfg.device, intra_op_threads=cfg.intra_op_threads)
     if cfg.backend == "onnxruntime":
         return OnnxRuntimeEngine(path, device=cfg.device, intra_op_threads=cfg.intra_op_threads)
     from engines.tensorrt import TensorRTEngine
@@ -432,7 +437,8 @@ class Registry:
                 if self.budget_bytes is not None:
                     await self._make_room(slot, slot.budget_bytes)
                 rss0 = rss_bytes()
-                loaded = await asyncio.to_thread(load_model, slot.cfg, slot.where)
+                restarts = self.metrics.worker_restart.labels(slot.name, slot.version)
+                loaded = await asyncio.to_thread(load_model, slot.cfg, slot.where, restarts.inc)
                 if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
                     slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances)
                 slot.footprint_bytes = loaded.footprint_bytes
@@ -578,6 +584,9 @@ class Registry:
         out = []
         for s in self._all():
             entry = {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
+            pids = [getattr(c, "pid", None) for c in (s.loaded.contexts if s.loaded else ())]
+            if any(pids):
+                entry["worker_pids"] = pids
             if s.measured_bytes is not None:
                 entry["measured_bytes"] = s.measured_bytes
                 entry["footprint_bytes"] = s.footprint_bytes

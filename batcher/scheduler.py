@@ -32,6 +32,7 @@ import numpy as np
 
 from engines.base import Engine, EngineError, ExecutionContext
 from engines.datatypes import NUMPY_DTYPES
+from engines.multiproc import WorkerCrashed
 
 from .batching import Pending, State, batch_is_full, plan_batch, shape_key, split_outputs, stack_inputs
 from .config import ModelConfig
@@ -383,6 +384,10 @@ class ModelRunner:
                 outputs = ctx.execute(stacked)
                 t2 = time.perf_counter()
                 parts = split_outputs(outputs, [p.rows for p in live])
+            except WorkerCrashed as exc:  # the batch is lost with the worker; the next one restarts it
+                err = Unavailable(f"model '{self.name}': {exc}", retry_after_s=1)
+                parts = [err] * len(live)
+                t1 = t2 = t1 or time.perf_counter()
             except (EngineError, ValueError) as exc:
                 err = ExecutionFailed(f"model '{self.name}' failed on a batch of {rows} rows: {exc}")
                 parts = [err] * len(live)
