@@ -185,7 +185,13 @@ def _json_kind_ok(got: str, want: str) -> bool:
     return got in "iuf"  # float tensors accept integer literals
 
 
-def decode_request(body: bytes, header_length: str | None = None) -> InferRequest:
+#: default bound on one tensor's element count (Triton has none; 2**28 FP32 elements are 1 GiB).
+MAX_TENSOR_ELEMENTS = 1 << 28
+
+
+def decode_request(
+    body: bytes, header_length: str | None = None, max_elements: int = MAX_TENSOR_ELEMENTS
+) -> InferRequest:
     """Decode a KServe v2 inference request body.
 
     Args:
@@ -195,8 +201,11 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
     Returns:
         the request with each input as a numpy array of its declared shape and datatype.
 
+        max_elements: the most elements one tensor may hold.
+
     Raises:
-        InvalidInput: malformed JSON or header, unknown datatype, bad shape, data/shape mismatch, wrong binary size.
+        InvalidInput: malformed JSON or header, unknown datatype, bad shape, more than ``max_elements`` elements,
+            data/shape mismatch, wrong binary size.
     """
     if header_length is None:
         json_part, binary = body, memoryview(b"")
@@ -242,6 +251,9 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
             raise InvalidInput(f"{where}.shape: expected a list of integers from 0 to {MAX_DIM - 1}, got {shape!r}")
         dtype = NUMPY_DTYPES[datatype]
         count = math.prod(shape)
+        if count > max_elements:
+            raise InvalidInput(f"{where}.shape: {shape} holds {count} elements, over the limit of {max_elements} "
+                               "(server.max_tensor_elements)")
         size = _int_param(_params(t, where), "binary_data_size", where + ".parameters")
         if size is not None:
             if "data" in t:

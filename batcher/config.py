@@ -192,6 +192,8 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     #: request bodies above this get 413.
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    #: the most elements one input tensor may hold (400 beyond; 2**28 FP32 elements are 1 GiB).
+    max_tensor_elements: int = Field(1 << 28, ge=1)
     #: a request body must arrive within this many seconds (slow or stalled uploads get 408).
     read_timeout_s: float = Field(30.0, gt=0)
     #: on SIGTERM/SIGINT the server stops accepting connections and lets accepted requests finish for at most

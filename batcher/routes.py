@@ -211,10 +211,11 @@ async def infer(request: web.Request) -> web.Response:
     # Binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread.
     json_bytes = len(body) if header_length is None else _int_or(header_length, len(body))
     try:
+        limit = request.app[CONFIG].server.max_tensor_elements
         if json_bytes > OFFLOAD_BYTES:
-            req = await loop.run_in_executor(None, decode_request, body, header_length)
+            req = await loop.run_in_executor(None, decode_request, body, header_length, limit)
         else:
-            req = decode_request(body, header_length)
+            req = decode_request(body, header_length, limit)
     except InvalidInput:
         request.app[METRICS].failure.labels(target.name, target.version, "invalid").inc()
         raise

@@ -103,7 +103,7 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [[1], [2, 3]]}]}, "ragged"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, "integers from 0 to"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [0, 2**40], "data": []}]}, "integers from 0 to"),
-        ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [10**9], "data": ["x"]}]}, "shape holds"),
+        ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [10**9], "data": ["x"]}]}, "over the limit of"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "value 1e.39 is out of range for FP32"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
           "outputs": [{"name": "o"}, {"name": "o"}]}, "output 'o' is requested twice"),
@@ -170,3 +170,11 @@ def test_encode_bytes_output_json_and_binary():
     assert orjson.loads(body)["outputs"][0] == {"name": "s", "datatype": "BYTES", "shape": [2], "data": ["ab", "c"]}
     body, n = encode_response("m", "1", {"s": arr}, InferRequest(inputs={}, binary_output=True))
     assert decode_bytes_elements(body[n:], 2, "s").tolist() == [b"ab", b"c"]
+
+
+def test_tensor_element_limit():
+    body = orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [10, 10], "data": [0] * 100}]})
+    assert decode_request(body, None, 100).inputs["a"].shape == (10, 10)
+    with pytest.raises(InvalidInput, match=r"\[10, 11\] holds 110 elements, over the limit of 100"):
+        decode_request(orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [10, 11],
+                                                 "data": [0] * 110}]}), None, 100)
