@@ -49,9 +49,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             if k in exc.headers:
                 resp.headers[k] = exc.headers[k]
         return resp
-    except ConnectionResetError:  # the client went away mid-request: nothing to answer, nothing to log loudly
+    except ConnectionResetError:  # the client went away mid-request: nobody to answer, nothing to log loudly
         log.debug("client disconnected during %s %s", request.method, request.path)
-        raise
+        return error_response(400, "client disconnected before the request was complete")
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal error: {exc!r}")

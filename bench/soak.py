@@ -1,0 +1,172 @@
+"""Bounded soak: mixed load with bad requests and disconnects; memory, threads and lost responses over time.
+
+    python -m bench.soak --duration 600 --out bench/results/soak
+
+One ``batcher serve`` (tiny_cnn and ppocr_cls on CPU). ``--clients`` closed-loop clients each pick, per request:
+a good binary tiny_cnn request (60%), a good JSON ppocr_cls request (15%), a malformed request (15%: bad JSON, bad
+shape, unknown input, bad binary size), or a client that sends its headers and half its body and hangs up (10%).
+Every second the server's resident memory and thread count are sampled. At the end it checks:
+
+* no lost responses: every request that was sent whole got exactly one HTTP response, with the status expected
+  for its kind (200/503/504 for good ones, 400 for bad ones); none raised a transport error;
+* resident memory: the highest sample of the last fifth of the run is within ``--rss-tolerance-mb`` of the highest
+  of the first fifth (after a warm-up), i.e. no growth;
+* threads: no more in the last fifth than in the first (pools start threads lazily; a leak keeps growing); the
+  server is live and its log has no traceback.
+Exit 0 when all hold. Writes ``soak.csv`` (samples) and ``soak.json`` (summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+
+from bench.server import ServerProcess
+
+CONFIG = {"models": [
+    {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 16, "max_queue_delay_us": 1000, "timeout_ms": 2000},
+    {"name": "ppocr_cls", "path": "zoo:ppocr_cls", "inputs": [{"name": "x", "dims": [3, 48, 192]}],
+     "max_batch_size": 16, "max_queue_delay_us": 1000, "timeout_ms": 2000},
+]}
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _requests():
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32)
+    head = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 224, 224],
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True}})
+    good_bin = ("tiny_cnn", head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+    c = np.random.default_rng(1).random((1, 3, 48, 192), np.float32)
+    good_json = ("ppocr_cls", orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 48, 192],
+                                                        "data": c.ravel().tolist()}]}), {})
+    bad = [
+        ("ppocr_cls", b"{not json", {}),
+        ("ppocr_cls", orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 32, 192],
+                                                "data": [0.0] * (3 * 32 * 192)}]}), {}),
+        ("tiny_cnn", orjson.dumps({"inputs": [{"name": "nope", "datatype": "FP32", "shape": [1], "data": [1]}]}), {}),
+        ("tiny_cnn", head + b"\0" * 16, {"Inference-Header-Content-Length": str(len(head))}),
+    ]
+    return good_bin, good_json, bad
+
+
+async def _hang_up(port: int, model: str, body: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body[: len(body) // 2])
+    await writer.drain()
+    await asyncio.sleep(random.uniform(0.0, 0.05))
+    writer.close()
+
+
+async def _load(server: ServerProcess, duration: float, clients: int, stats: dict) -> None:
+    good_bin, good_json, bad = _requests()
+    end = time.monotonic() + duration
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+
+        async def client(seed: int) -> None:
+            rnd = random.Random(seed)
+            while time.monotonic() < end:
+                r = rnd.random()
+                if r < 0.10:
+                    await _hang_up(server.port, *good_bin[:2])
+                    stats["hang_ups"] += 1
+                    continue
+                kind, (model, body, headers) = (("good", good_bin) if r < 0.70 else ("good", good_json) if r < 0.85
+                                                else ("bad", rnd.choice(bad)))
+                stats["sent"] += 1
+                try:
+                    async with s.post(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status in ((200, 503, 504) if kind == "good" else (400,))
+                        stats["answered"] += 1
+                        stats["status"][str(resp.status)] = stats["status"].get(str(resp.status), 0) + 1
+                        if not ok:
+                            stats["unexpected"] += 1
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    stats["lost"] += 1
+                    stats["errors"].append(repr(exc)[:200])
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+
+
+async def _sample(server: ServerProcess, duration: float, samples: list) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < duration:
+        samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mb": round(server.rss_mb(), 1),
+                        "threads": _threads(server.proc.pid)})
+        await asyncio.sleep(1.0)
+
+
+async def soak(server: ServerProcess, duration: float, clients: int, warmup: float) -> tuple[dict, list]:
+    stats = {"sent": 0, "answered": 0, "lost": 0, "unexpected": 0, "hang_ups": 0, "status": {}, "errors": []}
+    await _load(server, warmup, clients, {**stats, "status": {}, "errors": []})  # warm-up, not counted
+    samples: list = []
+    await asyncio.gather(_load(server, duration, clients, stats), _sample(server, duration, samples))
+    await asyncio.sleep(1.0)
+    samples.append({"t_s": round(duration + 1, 1), "rss_mb": round(server.rss_mb(), 1),
+                    "threads": _threads(server.proc.pid)})
+    return stats, samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of mixed load")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--rss-tolerance-mb", type=float, default=30.0)
+    p.add_argument("--out", type=Path, default=None, help="folder for soak.csv and soak.json")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, ServerProcess(CONFIG, Path(tmp), name="soak") as server:
+        stats, samples = asyncio.run(soak(server, args.duration, args.clients, args.warmup))
+        live = server.metric("batcher_request_success_total", model="tiny_cnn", version="1") > 0
+        log = server.log()
+    fifth = max(1, len(samples) // 5)
+    first, last = max(s["rss_mb"] for s in samples[:fifth]), max(s["rss_mb"] for s in samples[-fifth:])
+    summary = {
+        "duration_s": args.duration, "clients": args.clients, **{k: v for k, v in stats.items() if k != "errors"},
+        "errors_sample": stats["errors"][:5], "rss_first_fifth_max_mb": first, "rss_last_fifth_max_mb": last,
+        "rss_growth_mb": round(last - first, 1), "threads_start": samples[0]["threads"],
+        "threads_end": samples[-1]["threads"], "tracebacks_in_log": log.count("Traceback"),
+    }
+    checks = {
+        "no lost responses": stats["lost"] == 0 and stats["answered"] == stats["sent"],
+        "only expected statuses": stats["unexpected"] == 0,
+        f"resident memory growth <= {args.rss_tolerance_mb:g} MB": last - first <= args.rss_tolerance_mb,
+        # thread pools start threads lazily; a leak grows with time instead
+        "no leaked threads": max(s["threads"] for s in samples[-fifth:]) <= max(s["threads"] for s in samples[:fifth]),
+        "server live, no traceback": live and summary["tracebacks_in_log"] == 0,
+    }
+    summary["checks"] = checks
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "soak.json").write_text(json.dumps(summary, indent=1))
+        with (args.out / "soak.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["t_s", "rss_mb", "threads"])
+            w.writeheader()
+            w.writerows(samples)
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
