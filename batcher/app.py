@@ -6,7 +6,10 @@ accepts connections and closed, with every task cancelled and awaited, when the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
@@ -57,6 +60,29 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(500, f"internal error: {exc!r}")
 
 
+def _drain_on_sigterm(registry: Registry, grace_s: float) -> None:
+    """SIGTERM: readiness turns false at once and new requests get 503 + Retry-After, while accepted requests
+    finish (at most ``grace_s``); then SIGINT starts aiohttp's graceful exit, which releases the models.
+
+    Replaces the SIGTERM handler aiohttp installed (before the app started); SIGINT keeps aiohttp's."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+
+    async def drain_then_exit() -> None:
+        await registry.drain(grace_s)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def on_sigterm() -> None:
+        if not tasks:
+            log.info("SIGTERM: not ready any more; finishing accepted requests (grace %.0f s)", grace_s)
+            tasks.append(loop.create_task(drain_then_exit()))
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (NotImplementedError, RuntimeError):  # no signals on this platform or thread
+        pass
+
+
 def create_app(config: Config) -> web.Application:
     """Build the application for ``config``; models load when it starts (``cleanup_ctx``)."""
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware])
@@ -68,6 +94,7 @@ def create_app(config: Config) -> web.Application:
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         registry = app[REGISTRY]
         await registry.start()
+        _drain_on_sigterm(registry, config.server.shutdown_grace_s)
         yield
         log.info("shutting down: releasing %d loaded model(s)", registry.loaded_count)
         await registry.close()

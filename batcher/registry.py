@@ -306,6 +306,15 @@ class Registry:
                 self.metrics.throughput.labels(name, version).set(r)
             self.metrics.retention.set(float("nan") if ratio is None else ratio)
 
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking requests (readiness false, new requests 503) and wait until every accepted request has been
+        answered, at most ``grace_s`` seconds."""
+        self.ready = False
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while loop.time() < end and any(s.inflight or s.waiting for s in self._all()):
+            await asyncio.sleep(0.01)
+
     async def close(self) -> None:
         """Stop every model: queued requests get 503, running batches finish, memory is released."""
         self.ready = False

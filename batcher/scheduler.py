@@ -161,14 +161,16 @@ class ModelRunner:
         self._depth = 0
         self._wakeup = asyncio.Event()
         self._delay_s = cfg.max_queue_delay_us / 1e6
-        self._last_arrival = 0.0
+        self._last_arrival: float | None = None
         self._queued_rows = 0
         self._executing_rows = 0
         self._row_s: float | None = None  # moving average of execution seconds per row
         levels = cfg.priority_levels
         self._default_level = cfg.default_priority_level or (levels + 1) // 2
         self._starve_s = cfg.max_priority_wait_ms / 1e3 if levels > 1 else None
-        self._gap_s = 1.0  # moving average of the time between arrivals (s), capped at 1 s
+        # moving average of the time between arrivals (s, each gap capped at 1 s); it starts at 0, "busy", so that
+        # a first burst batches; slow arrivals raise it within a few requests
+        self._gap_s = 0.0
         self._max_batch = signature.max_batch_size
         self._preferred = tuple(cfg.preferred_batch_sizes)
         self._loop = asyncio.get_running_loop()
@@ -229,9 +231,9 @@ class ModelRunner:
                 self._admit(rows, deadline)
             p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
                         priority=level)
-            gap = received - self._last_arrival
+            if self._last_arrival is not None:
+                self._gap_s += GAP_EWMA_ALPHA * (min(received - self._last_arrival, 1.0) - self._gap_s)
             self._last_arrival = received
-            self._gap_s += GAP_EWMA_ALPHA * (min(gap, 1.0) - self._gap_s)
             if deadline is not None:
                 if deadline <= self._loop.time():
                     raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")

@@ -238,6 +238,11 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
         tasks = [asyncio.create_task(post(8)), asyncio.create_task(post(1)), asyncio.create_task(post(1))]
         await asyncio.sleep(0.2)  # accepted: one batch executing, two requests queued
         server.proc.terminate()
+        await asyncio.sleep(0.1)
+        async with s.get(f"{server.base}/v2/health/ready") as r:
+            assert r.status == 503  # readiness false at once
+        async with s.post(url, **_binary_request(np.ones((1, 3, 224, 224), np.float32))) as r:
+            assert r.status == 503 and r.headers["Retry-After"]  # new requests refused while draining
         assert await asyncio.gather(*tasks) == [200, 200, 200]
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
     assert "stopped" in server.log()
@@ -257,3 +262,28 @@ async def test_no_answer_after_the_deadline_even_while_executing(start_server):
     assert 0.15 <= elapsed <= 0.25, elapsed  # the 8-row batch takes ~0.5 s
     labels = {"model": "mid_cnn", "version": "1"}
     assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1
+
+
+async def test_client_that_goes_away_during_execution_does_not_disturb_its_batch(start_server):
+    """Two requests share one batch (100 ms window); one client hangs up while the batch executes: its rows are
+    discarded, the other request gets its answer, and the model keeps serving."""
+    server = start_server({"models": [{**MID, "max_queue_delay_us": 100_000}]})
+    labels = {"model": "mid_cnn", "version": "1"}
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    async with aiohttp.ClientSession() as s:
+
+        async def post(rows):
+            async with s.post(url, **_binary_request(np.ones((rows, 3, 224, 224), np.float32))) as r:
+                await r.read()
+                return r.status
+
+        stays = asyncio.create_task(post(4))
+        leaves = asyncio.create_task(post(4))
+        await asyncio.sleep(0.25)  # window closed at ~0.1 s; the 8-row batch runs for ~0.5 s
+        leaves.cancel()
+        assert await stays == 200
+        assert await post(1) == 200
+    assert server.metric("batcher_execution_count_total", **labels) == 2
+    assert server.metric("batcher_inference_count_total", **labels) == 9
+    assert server.metric("batcher_request_failure_total", reason="canceled", **labels) == 1
+    assert "Traceback" not in server.log()
