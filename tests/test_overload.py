@@ -287,3 +287,35 @@ async def test_client_that_goes_away_during_execution_does_not_disturb_its_batch
     assert server.metric("batcher_inference_count_total", **labels) == 9
     assert server.metric("batcher_request_failure_total", reason="canceled", **labels) == 1
     assert "Traceback" not in server.log()
+
+
+async def test_low_priority_waits_at_most_the_starvation_bound(start_server):
+    """A steady stream of level-1 requests keeps the model busy for ~2 s; a level-2 request sent early is served
+    once it has waited max_priority_wait_ms (300 ms), plus the batch running then, not after the stream."""
+    server = start_server({"models": [{**MID, "max_batch_size": 1, "priority_levels": 2, "default_priority_level": 2,
+                                       "max_priority_wait_ms": 300, "max_queue_size": 64}]})
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    loop = asyncio.get_running_loop()
+    x = np.ones((1, 3, 224, 224), np.float32)
+    async with aiohttp.ClientSession() as s:
+
+        async def post(priority):
+            t0 = loop.time()
+            async with s.post(url, **_binary_request(x, priority=priority)) as r:
+                await r.read()
+                return r.status, loop.time() - t0
+
+        stream_end = loop.time() + 2.0
+
+        async def high_stream():
+            while loop.time() < stream_end:
+                assert (await post(1))[0] == 200
+
+        streams = [asyncio.create_task(high_stream()) for _ in range(4)]  # 4 level-1 requests always waiting
+        await asyncio.sleep(0.2)
+        status, waited = await post(2)
+        still_streaming = loop.time() < stream_end
+        await asyncio.gather(*streams)
+    assert status == 200
+    assert still_streaming, "the level-2 request only ran after the level-1 stream ended"
+    assert waited < 0.3 + 0.5, waited  # the bound plus the ~0.1 s batch in progress, with slack for a busy CI
