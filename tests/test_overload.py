@@ -319,3 +319,16 @@ async def test_low_priority_waits_at_most_the_starvation_bound(start_server):
     assert status == 200
     assert still_streaming, "the level-2 request only ran after the level-1 stream ended"
     assert waited < 0.3 + 0.5, waited  # the bound plus the ~0.1 s batch in progress, with slack for a busy CI
+
+
+async def test_deadline_already_past_is_504_and_oversized_header_is_400(start_server):
+    server = start_server({"models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
+    x = np.ones((1, 3, 224, 224), np.float32)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", **_binary_request(x, timeout_us=1)) as r:
+            assert r.status == 504 and "deadline" in (await r.json())["error"]
+        big = {"X-Padding": "a" * 9000}
+        async with s.get(f"{server.base}/v2/health/live", headers=big) as r:
+            assert r.status == 400  # aiohttp's header size limit (8190 bytes)
+        async with s.get(f"{server.base}/v2/health/live") as r:
+            assert r.status == 200
