@@ -135,7 +135,7 @@ def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.nd
     cfg = {"models": [{
         "name": "resnet18", "path": "zoo:resnet18", "device": "cuda", "instances": instances,
         "max_batch_size": 32 if batching else 1, "max_queue_delay_us": args.delay_us if batching else 0,
-        "max_queue_size": 1024,
+        "max_queue_size": 1024, "mode": args.mode,
     }]}
     with ServerProcess(cfg, workdir, name=f"i{instances}-{'on' if batching else 'off'}") as server:
         # correctness through the HTTP path as well
@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_us with batching on")
     p.add_argument("--instances", default="1,2,4", help="instance counts to sweep")
     p.add_argument("--raw-batches", default="1,8,32,128", help="batch sizes of the raw engine runs")
+    p.add_argument("--mode", choices=["inprocess", "multiproc"], default="inprocess",
+                   help="where the service runs its execution contexts (multiproc: worker processes, no shared GIL)")
+    p.add_argument("--skip-raw", action="store_true", help="only the service part")
     args = p.parse_args(argv)
 
     import onnxruntime as ort
@@ -205,14 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU", file=sys.stderr)
         return 3
     args.out.mkdir(parents=True, exist_ok=True)
-    diff = _check()
-    print(f"correctness: resnet18 batch 8, CUDA vs CPU max abs diff = {diff:.2e} (limit 1e-3)")
-    raw = _raw([int(b) for b in args.raw_batches.split(",")], args.raw_seconds)
-    _write_csv(args.out / "gpu_raw.csv", raw)
-    print("\nraw engine (one context, tight loop, host arrays in/out)\n" + _table(raw))
-    par = [_raw_parallel(32, n, args.raw_seconds, hog) for hog in (False, True) for n in (1, 2, 4)]
-    _write_csv(args.out / "gpu_raw_contexts.csv", par)
-    print("\nraw engine, several contexts each in its own thread (batch 32)\n" + _table(par))
+    if args.skip_raw:
+        raw = [{"batch": 1, "rows_per_s": float("nan")}, {"batch": 32, "rows_per_s": float("nan")}]
+    else:
+        diff = _check()
+        print(f"correctness: resnet18 batch 8, CUDA vs CPU max abs diff = {diff:.2e} (limit 1e-3)")
+        raw = _raw([int(b) for b in args.raw_batches.split(",")], args.raw_seconds)
+        _write_csv(args.out / "gpu_raw.csv", raw)
+        print("\nraw engine (one context, tight loop, host arrays in/out)\n" + _table(raw))
+        par = [_raw_parallel(32, n, args.raw_seconds, hog) for hog in (False, True) for n in (1, 2, 4)]
+        _write_csv(args.out / "gpu_raw_contexts.csv", par)
+        print("\nraw engine, several contexts each in its own thread (batch 32)\n" + _table(par))
 
     from engines.onnxruntime import OnnxRuntimeEngine
     from engines.zoo import resolve
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["service_over_raw"] = round(row["qps"] / row["raw_rows_per_s_at_avg_batch"], 3)
                 rows.append(row)
                 print(row, flush=True)
-    _write_csv(args.out / "gpu_service.csv", rows)
+    _write_csv(args.out / f"gpu_service{'' if args.mode == 'inprocess' else '_' + args.mode}.csv", rows)
     print("\nservice (closed loop, binary tensors, 1 row per request)\n" + _table(rows))
     for inst in sorted({r["instances"] for r in rows}):
         on = next(r for r in rows if r["instances"] == inst and r["batching"] == "on")
