@@ -11,8 +11,8 @@ Every second the server's resident memory and thread count are sampled. At the e
   for its kind (200/503/504 for good ones, 400 for bad ones); none raised a transport error;
 * resident memory: the highest sample of the last fifth of the run is within ``--rss-tolerance-mb`` of the highest
   of the first fifth (after a warm-up), i.e. no growth;
-* threads: no more in the last fifth than in the first (pools start threads lazily; a leak keeps growing); the
-  server is live and its log has no traceback.
+* threads: at most 2 more in the last fifth than in the first (pools start threads lazily; a leak keeps
+  growing with the requests); the server is live and its log has no traceback.
 Exit 0 when all hold. Writes ``soak.csv`` (samples) and ``soak.json`` (summary).
 """
 
@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         "no lost responses": stats["lost"] == 0 and stats["answered"] == stats["sent"],
         "only expected statuses": stats["unexpected"] == 0,
         f"resident memory growth <= {args.rss_tolerance_mb:g} MB": last - first <= args.rss_tolerance_mb,
-        # thread pools start threads lazily; a leak grows with time instead
-        "no leaked threads": max(s["threads"] for s in samples[-fifth:]) <= max(s["threads"] for s in samples[:fifth]),
+        # thread pools start a few threads lazily (at most 2 here); a leak grows with the requests instead (one per
+        # request or hang-up would add thousands)
+        "no leaked threads": max(s["threads"] for s in samples[-fifth:]) <= max(s["threads"] for s in samples[:fifth]) + 2,
         "server live, no traceback": live and summary["tracebacks_in_log"] == 0,
     }
     summary["checks"] = checks
