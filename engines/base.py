@@ -80,15 +80,19 @@ class Engine(abc.ABC):
     #: backend name, e.g. ``"onnxruntime"``.
     backend: str = ""
 
-    @property
-    @abc.abstractmethod
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        """Input tensors, in the model's order."""
+    #: set by each backend when it opens the model
+    _inputs: tuple[TensorSpec, ...] = ()
+    _outputs: tuple[TensorSpec, ...] = ()
 
     @property
-    @abc.abstractmethod
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """Input tensors, in the model's order."""
+        return self._inputs
+
+    @property
     def outputs(self) -> tuple[TensorSpec, ...]:
         """Output tensors, in the model's order."""
+        return self._outputs
 
     @property
     @abc.abstractmethod

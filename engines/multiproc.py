@@ -268,14 +268,6 @@ class MultiprocEngine(Engine):
             self.on_restart()
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self._outputs
-
-    @property
     def max_batch_size(self) -> int | None:
         return self._max
 

@@ -227,14 +227,6 @@ class OnnxRuntimeEngine(Engine):
             raise EngineError(f"onnxruntime cannot load {self.path}: {exc}") from exc
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self._outputs
-
-    @property
     def max_batch_size(self) -> int | None:
         # ONNX has no optimization profile: a dynamic first dim on every input leaves the limit to the config;
         # a fixed first dim means the model cannot batch (0, Triton's "max_batch_size: 0").

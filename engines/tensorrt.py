@@ -598,14 +598,6 @@ class TensorRTEngine(Engine):
     # ---- Engine contract
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self._outputs
-
-    @property
     def max_batch_size(self) -> int:
         """Smallest profile maximum of the batch dimension over all inputs and profiles (never ``None``)."""
         return self._max_batch
