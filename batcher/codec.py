@@ -55,7 +55,7 @@ class InferRequest:
         outputs: requested outputs in order; None means every output of the model.
         binary_output: the request-level ``binary_data_output`` default.
         timeout_us: Triton's ``parameters.timeout`` (microseconds), if given; 0 means "no timeout of its own"
-            (the model's ``timeout_ms`` applies), as in Triton.
+            (the model's default timeout applies), as in Triton.
     """
 
     inputs: dict[str, np.ndarray]

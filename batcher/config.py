@@ -1,8 +1,11 @@
 """Server configuration: YAML validated at load by pydantic; a bad value is reported with its path and value.
 
-Field names follow the seed design and KServe/Triton terms, with units in the names
-(``max_queue_delay_us`` is Triton's ``max_queue_delay_microseconds``, ``preferred_batch_sizes`` its
-``preferred_batch_size``, ``instances`` the ``count`` of its ``instance_group``).
+Model keys follow Triton's ``model_config.proto`` (as PyTriton's ``DynamicBatcher``/``QueuePolicy`` mirror it):
+``max_batch_size``, ``instance_group: [{count, kind, gpus}]``, ``dynamic_batching: {max_queue_delay_microseconds,
+preferred_batch_size, priority_levels, default_priority_level, default_queue_policy: {max_queue_size,
+default_timeout_microseconds}}``. Every time that a request or a batch is held to is in microseconds. Keys of the
+earlier format (``instances``, ``max_queue_delay_us``, ``timeout_ms``, ...) are errors that name the new key
+(:data:`MOVED_KEYS`). :mod:`batcher.triton_config` turns a model's config into Triton's model-config JSON.
 
 Example (``configs/default.yaml`` is the full one)::
 
@@ -10,12 +13,12 @@ Example (``configs/default.yaml`` is the full one)::
     models:
       - name: ppocr_rec
         path: zoo:ppocr_rec
-        instances: 1
-        inputs: [{name: x, dims: [3, 48, -1]}]
         max_batch_size: 16
-        max_queue_delay_us: 2000
-        max_queue_size: 256
-        timeout_ms: 1000
+        instance_group: [{count: 1, kind: KIND_CPU}]
+        inputs: [{name: x, dims: [3, 48, -1]}]
+        dynamic_batching:
+          max_queue_delay_microseconds: 2000
+          default_queue_policy: {max_queue_size: 256, default_timeout_microseconds: 1000000}
 """
 
 from __future__ import annotations
@@ -95,51 +98,122 @@ class SpecificPolicy(_Strict):
     specific: list[int] = Field(min_length=1)
 
 
+class InstanceGroup(_Strict):
+    """Triton's ``instance_group``: ``count`` execution contexts of ``kind``; on KIND_GPU, ``count`` contexts on
+    each GPU in ``gpus`` (Triton's meaning; default: GPU 0)."""
+
+    count: int = Field(1, ge=1, le=64)
+    kind: Literal["KIND_CPU", "KIND_GPU"] = "KIND_CPU"
+    gpus: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _gpus(self) -> InstanceGroup:
+        if self.gpus is not None:
+            if self.kind != "KIND_GPU":
+                raise ValueError("gpus apply to kind KIND_GPU only")
+            if not self.gpus or any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+                raise ValueError(f"gpus must be distinct device ids >= 0, got {self.gpus}")
+        return self
+
+
+class QueuePolicy(_Strict):
+    """Triton's ``default_queue_policy``: the queue's bound and the default deadline of a request."""
+
+    #: requests waiting in the queue at most; beyond it requests get 503 + Retry-After (Triton: 0 = unbounded;
+    #: here the queue is always bounded).
+    max_queue_size: int = Field(256, ge=1)
+    #: deadline of a request without ``parameters.timeout``, microseconds from its arrival; 0: none.
+    default_timeout_microseconds: int = Field(0, ge=0)
+
+
+class DynamicBatching(_Strict):
+    """Triton's ``dynamic_batching`` (``model_config.proto`` names), plus this server's scheduling options."""
+
+    #: how long a batch may wait for more rows, counted from its first queued request (microseconds).
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=10_000_000)
+    #: batch sizes the batcher dispatches at as soon as it reaches them (reaching the largest is as good as full).
+    preferred_batch_size: list[int] = []
+    #: priority levels: a request's ``parameters.priority`` 1..N, 1 served first; 0 or none means
+    #: default_priority_level (default: the middle level).
+    priority_levels: int = Field(1, ge=1, le=16)
+    default_priority_level: int | None = Field(None, ge=1)
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    # ---- this server's additions (not in Triton)
+    #: a request waiting this long is served before every priority level: the bound on starvation (microseconds).
+    max_priority_wait_microseconds: int = Field(1_000_000, ge=1)
+    #: answer at once (503 + Retry-After from the estimated drain time) a request whose deadline cannot be met
+    #: given the rows queued and executing ahead of it, instead of queueing it to time out.
+    admission_control: bool = True
+    #: off (Triton's rule): the first request of a batch always waits up to max_queue_delay_microseconds for
+    #: others. On: when requests arrive on average more than two windows apart, a lone request runs at once
+    #: (lower latency at low load; at a sudden burst after a quiet spell the first batch may run smaller).
+    adaptive_queue_delay: bool = False
+
+    @field_validator("preferred_batch_size")
+    @classmethod
+    def _preferred(cls, v: list[int]) -> list[int]:
+        if any(p < 1 for p in v):
+            raise ValueError(f"preferred batch sizes must be >= 1, got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _levels(self) -> DynamicBatching:
+        if self.default_priority_level is not None and self.default_priority_level > self.priority_levels:
+            raise ValueError(f"default_priority_level {self.default_priority_level} exceeds priority_levels "
+                             f"{self.priority_levels}")
+        return self
+
+
+#: keys of the earlier config format -> where they live now (an old key is an error naming its new place).
+MOVED_KEYS = {
+    "instances": "instance_group[].count",
+    "device": "instance_group[].kind (KIND_CPU | KIND_GPU)",
+    "max_queue_delay_us": "dynamic_batching.max_queue_delay_microseconds",
+    "preferred_batch_sizes": "dynamic_batching.preferred_batch_size",
+    "max_queue_size": "dynamic_batching.default_queue_policy.max_queue_size",
+    "timeout_ms": "dynamic_batching.default_queue_policy.default_timeout_microseconds (microseconds)",
+    "priority_levels": "dynamic_batching.priority_levels",
+    "default_priority_level": "dynamic_batching.default_priority_level",
+    "max_priority_wait_ms": "dynamic_batching.max_priority_wait_microseconds (microseconds)",
+    "admission_control": "dynamic_batching.admission_control",
+}
+_MOVED_IN_BATCHING = {
+    "max_queue_delay_us": "max_queue_delay_microseconds",
+    "preferred_batch_sizes": "preferred_batch_size",
+    "timeout_us": "default_queue_policy.default_timeout_microseconds",
+    "max_queue_size": "default_queue_policy.max_queue_size",
+}
+
+
 class ModelConfig(_Strict):
-    """One served model (one version of it)."""
+    """One served model (one version of it). Scheduling keys follow Triton's ``model_config.proto``."""
 
     name: str
     version: int = Field(1, ge=1)
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     #: a model file (.onnx; .plan/.engine for tensorrt), or ``zoo:<name>`` for a built-in model (:mod:`engines.zoo`).
+    #: A relative path is relative to the config file's folder.
     path: str
     #: tensorrt only: which TensorRT runtime deserializes the plan (lean/dispatch run version-compatible plans).
     runtime: Literal["auto", "full", "lean", "dispatch"] = "auto"
     #: tensorrt only, for an .onnx path: how to build the plan (cached by content, TensorRT version, GPU).
     build: TensorRTBuildConfig | None = None
-    device: Literal["cpu", "cuda"] = "cpu"
     #: inprocess: contexts run in the server process; multiproc (onnxruntime): each context runs in a supervised
     #: worker process (Unix socket + shared memory), so a crash there fails only its batch (503) and the worker is
     #: restarted with backoff.
     mode: Literal["inprocess", "multiproc"] = "inprocess"
-    #: execution contexts (each with its own executor thread), Triton's instance_group count.
-    instances: int = Field(1, ge=1, le=64)
+    #: execution contexts (each with its own executor thread) and where they run (Triton's instance_group).
+    instance_group: list[InstanceGroup] = Field([InstanceGroup()], min_length=1)
     #: intra-op threads of each ONNX Runtime context; 0 lets ONNX Runtime use every core.
     intra_op_threads: int = Field(1, ge=0, le=256)
     #: rows per batch at most; default: the engine's optimization profile maximum, else 8.
     max_batch_size: int | None = Field(None, ge=1, le=4096)
-    #: how long a batch may wait for more rows, counted from its first queued request (microseconds).
-    max_queue_delay_us: int = Field(0, ge=0, le=10_000_000)
-    #: batch sizes the batcher dispatches at as soon as it reaches them (Triton's preferred_batch_size).
-    preferred_batch_sizes: list[int] = []
-    #: requests waiting in the queue at most; beyond it requests get 503 + Retry-After.
-    max_queue_size: int = Field(256, ge=1)
-    #: default deadline of a request without ``parameters.timeout`` (ms); none: no deadline.
-    timeout_ms: int | None = Field(None, ge=1)
+    dynamic_batching: DynamicBatching = DynamicBatching()
     inputs: list[InputConfig] = []
     #: batch sizes each context runs once at load, before the model is ready; default: every size from 1 to
     #: max_batch_size on CUDA (cuDNN picks and caches kernels per shape: an unwarmed size costs a search on the
     #: first real request), only 1 on CPU.
     warmup_batch_sizes: list[int] | None = None
-    #: priority levels (Triton's priority_levels): a request's ``parameters.priority`` 1..N, 1 served first;
-    #: 0 or none means default_priority_level (default: the middle level).
-    priority_levels: int = Field(1, ge=1, le=16)
-    default_priority_level: int | None = Field(None, ge=1)
-    #: a request waiting this long is served before every priority level: the bound on starvation (ms).
-    max_priority_wait_ms: int = Field(1000, ge=1)
-    #: answer at once (503 + Retry-After from the estimated drain time) a request whose deadline cannot be met
-    #: given the rows queued and executing ahead of it, instead of queueing it to time out.
-    admission_control: bool = True
     #: another model that takes this model's requests when this one is unavailable (not loadable, or no room in the
     #: memory budget) or its queue holds fallback_queue_depth requests or more; responses name the model that ran.
     fallback: str | None = None
@@ -150,6 +224,50 @@ class ModelConfig(_Strict):
     #: {specific: [...]}. Read from the entry with the highest version of the name.
     version_policy: Literal["all"] | LatestPolicy | SpecificPolicy = "all"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_KEYS.items():
+                if old in data:
+                    raise ValueError(f"{old!r} is no longer a model key: use {new}")
+            batching = data.get("dynamic_batching")
+            if isinstance(batching, dict):
+                for old, new in _MOVED_IN_BATCHING.items():
+                    if old in batching:
+                        raise ValueError(f"dynamic_batching.{old}: use dynamic_batching.{new} (Triton's name)")
+        return data
+
+    @property
+    def device(self) -> str:
+        """``"cuda"`` when the instance groups are KIND_GPU, else ``"cpu"``."""
+        return "cuda" if self.instance_group[0].kind == "KIND_GPU" else "cpu"
+
+    @property
+    def placements(self) -> list[int]:
+        """The device id of every execution context, in order (CPU contexts: 0); Triton's rule: a KIND_GPU group
+        puts ``count`` contexts on each of its ``gpus``."""
+        out: list[int] = []
+        for g in self.instance_group:
+            for gpu in (g.gpus or [0]) if g.kind == "KIND_GPU" else [0]:
+                out.extend([gpu] * g.count)
+        return out
+
+    @property
+    def instances(self) -> int:
+        """Execution contexts in all (:attr:`placements`)."""
+        return len(self.placements)
+
+    @property
+    def max_queue_size(self) -> int:
+        return self.dynamic_batching.default_queue_policy.max_queue_size
+
+    @property
+    def default_timeout_s(self) -> float | None:
+        """The default deadline of a request, seconds after arrival; None: no deadline."""
+        us = self.dynamic_batching.default_queue_policy.default_timeout_microseconds
+        return us / 1e6 if us else None
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -157,26 +275,19 @@ class ModelConfig(_Strict):
             raise ValueError(f"model name must match {_NAME.pattern}, got {v!r}")
         return v
 
-    @field_validator("preferred_batch_sizes")
-    @classmethod
-    def _preferred(cls, v: list[int]) -> list[int]:
-        if any(p < 1 for p in v):
-            raise ValueError(f"preferred batch sizes must be >= 1, got {v}")
-        return sorted(set(v))
-
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        if self.max_batch_size is not None and any(p > self.max_batch_size for p in self.preferred_batch_sizes):
+        preferred = self.dynamic_batching.preferred_batch_size
+        if self.max_batch_size is not None and any(p > self.max_batch_size for p in preferred):
             raise ValueError(
-                f"preferred_batch_sizes {self.preferred_batch_sizes} exceed max_batch_size {self.max_batch_size}"
+                f"dynamic_batching.preferred_batch_size {preferred} exceeds max_batch_size {self.max_batch_size}"
             )
+        if len({g.kind for g in self.instance_group}) > 1:
+            raise ValueError("instance_group: every group of a model must have the same kind")
         if self.mode == "multiproc" and self.backend != "onnxruntime":
             raise ValueError("mode multiproc is available for backend onnxruntime only")
         if self.backend == "onnxruntime" and (self.build is not None or self.runtime != "auto"):
             raise ValueError("build and runtime apply to backend tensorrt only")
-        if self.default_priority_level is not None and self.default_priority_level > self.priority_levels:
-            raise ValueError(f"default_priority_level {self.default_priority_level} exceeds priority_levels "
-                             f"{self.priority_levels}")
         if self.fallback_queue_depth is not None and self.fallback is None:
             raise ValueError("fallback_queue_depth needs a fallback model")
         if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
@@ -303,6 +414,8 @@ def default_config_text() -> str:
 def load_config(path: str | Path | None = None) -> Config:
     """Load and validate a YAML config; ``None`` loads the embedded ``configs/default.yaml``.
 
+    A relative model ``path`` is taken relative to the config file's folder (not the current directory).
+
     Raises:
         ConfigError: unreadable file, bad YAML, or invalid values (message names the path and value).
     """
@@ -318,4 +431,17 @@ def load_config(path: str | Path | None = None) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
-    return parse_config(data, source)
+    config = parse_config(data, source)
+    if path is None:
+        return config
+    return with_paths_relative_to(config, Path(path).resolve().parent)
+
+
+def with_paths_relative_to(config: Config, folder: Path) -> Config:
+    """``config`` with every relative model path (not ``zoo:``) made absolute against ``folder``."""
+    models = [
+        m if m.path.startswith("zoo:") or Path(m.path).is_absolute()
+        else m.model_copy(update={"path": str(folder / m.path)})
+        for m in config.models
+    ]
+    return config.model_copy(update={"models": models})

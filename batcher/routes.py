@@ -11,8 +11,6 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engines.datatypes import NUMPY_DTYPES
-
 from . import __version__
 from .codec import HEADER_LENGTH, decode_request, encode_response
 from .errors import BatcherError, DeadlineExceeded, InvalidInput, ModelNotFound, RequestTimeout, Unauthorized, Unavailable
@@ -20,13 +18,11 @@ from .keys import CONFIG, METRICS, REGISTRY
 from .registry import READY, ConfigError, ModelSlot
 from .scheduler import request_deadline
 from .signature import ModelSignature
+from .triton_config import PLATFORMS, model_config_json
 
 #: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
 OFFLOAD_BYTES = 256 * 1024
 
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
-
-_TRITON_TYPES = {dt: ("TYPE_STRING" if dt == "BYTES" else f"TYPE_{dt}") for dt in NUMPY_DTYPES}
 
 routes = web.RouteTableDef()
 
@@ -167,29 +163,7 @@ async def model_ready(request: web.Request) -> web.Response:
 async def model_config(request: web.Request) -> web.Response:
     """The model's configuration in Triton's model-config JSON form (what perf_analyzer and tritonclient read)."""
     slot, sig = await _signature(request)
-    cfg = slot.cfg
-
-    def tensors(specs):
-        return [{"name": s.name, "data_type": _TRITON_TYPES[s.datatype], "dims": list(s.shape[1:])} for s in specs]
-
-    dynamic = {
-        "preferred_batch_size": list(cfg.preferred_batch_sizes),
-        "max_queue_delay_microseconds": cfg.max_queue_delay_us,
-        "default_queue_policy": {
-            "max_queue_size": cfg.max_queue_size,
-            "default_timeout_microseconds": (cfg.timeout_ms or 0) * 1000,
-        },
-    }
-    return _json({
-        "name": cfg.name,
-        "platform": PLATFORMS[cfg.backend],
-        "backend": cfg.backend,
-        "max_batch_size": sig.max_batch_size,
-        "input": tensors(sig.inputs),
-        "output": tensors(sig.outputs),
-        "instance_group": [{"count": cfg.instances, "kind": "KIND_GPU" if cfg.device == "cuda" else "KIND_CPU"}],
-        "dynamic_batching": dynamic,
-    })
+    return _json(model_config_json(slot.cfg, sig))
 
 
 @routes.post("/v2/models/{model}/infer")
@@ -219,7 +193,7 @@ async def infer(request: web.Request) -> web.Response:
     except InvalidInput:
         request.app[METRICS].failure.labels(target.name, target.version, "invalid").inc()
         raise
-    deadline = request_deadline(received, req.timeout_us, target.cfg.timeout_ms)
+    deadline = request_deadline(received, req.timeout_us, target.cfg.default_timeout_s)
     try:
         slot = await registry.acquire(target.name, request.match_info.get("version"), deadline)
     except BatcherError as exc:  # not loaded, no room in the budget, load outlasted the deadline

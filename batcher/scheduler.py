@@ -120,13 +120,13 @@ def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:
     return delay_s > 0 and mean_gap_s < 2 * delay_s
 
 
-def request_deadline(received: float, timeout_us: int | None, timeout_ms: int | None) -> float | None:
+def request_deadline(received: float, timeout_us: int | None, default_timeout_s: float | None) -> float | None:
     """A request's deadline (event-loop seconds): its ``parameters.timeout`` (microseconds), else the model's
-    ``timeout_ms``, counted from ``received``; None when neither is set."""
+    default timeout, counted from ``received``; None when neither is set."""
     if timeout_us:
         return received + timeout_us / 1e6
-    if timeout_ms:
-        return received + timeout_ms / 1e3
+    if default_timeout_s:
+        return received + default_timeout_s
     return None
 
 
@@ -160,19 +160,21 @@ class ModelRunner:
         self._queue: list[Pending] = []
         self._depth = 0
         self._wakeup = asyncio.Event()
-        self._delay_s = cfg.max_queue_delay_us / 1e6
+        db = cfg.dynamic_batching
+        self._delay_s = db.max_queue_delay_microseconds / 1e6
         self._last_arrival: float | None = None
         self._queued_rows = 0
         self._executing_rows = 0
         self._row_s: float | None = None  # moving average of execution seconds per row
-        levels = cfg.priority_levels
-        self._default_level = cfg.default_priority_level or (levels + 1) // 2
-        self._starve_s = cfg.max_priority_wait_ms / 1e3 if levels > 1 else None
+        levels = db.priority_levels
+        self._default_level = db.default_priority_level or (levels + 1) // 2
+        self._starve_s = db.max_priority_wait_microseconds / 1e6 if levels > 1 else None
         # moving average of the time between arrivals (s, each gap capped at 1 s); it starts at 0, "busy", so that
         # a first burst batches; slow arrivals raise it within a few requests
         self._gap_s = 0.0
         self._max_batch = signature.max_batch_size
-        self._preferred = tuple(cfg.preferred_batch_sizes)
+        self._preferred = tuple(db.preferred_batch_size)
+        self._adaptive = db.adaptive_queue_delay
         self._loop = asyncio.get_running_loop()
         self._running: set[asyncio.Future] = set()
         self._closing = False
@@ -223,11 +225,11 @@ class ModelRunner:
                 )
             if priority is None:
                 level = self._default_level
-            elif 1 <= priority <= self.cfg.priority_levels:
+            elif 1 <= priority <= self.cfg.dynamic_batching.priority_levels:
                 level = priority
             else:
-                raise InvalidInput(f"model '{self.name}': priority {priority} is outside 1..{self.cfg.priority_levels}")
-            if deadline is not None and self.cfg.admission_control:
+                raise InvalidInput(f"model '{self.name}': priority {priority} is outside 1..{self.cfg.dynamic_batching.priority_levels}")
+            if deadline is not None and self.cfg.dynamic_batching.admission_control:
                 self._admit(rows, deadline)
             p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
                         priority=level)
@@ -347,7 +349,7 @@ class ModelRunner:
                 if deadlines and self._row_s is not None:  # close the window early for a deadline that needs it
                     wait = min(wait, min(deadlines) - now - rows * self._row_s)
                 if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
-                        or not worth_waiting(self._gap_s, self._delay_s)):
+                        or (self._adaptive and not worth_waiting(self._gap_s, self._delay_s))):
                     taken = set(map(id, batch))
                     self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                     return batch

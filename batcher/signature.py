@@ -58,9 +58,10 @@ class ModelSignature:
                 f"{where}.max_batch_size: {cfg.max_batch_size} exceeds the engine profile maximum {engine_max}"
             )
         max_batch = cfg.max_batch_size or engine_max or DEFAULT_MAX_BATCH_SIZE
-        if any(p > max_batch for p in cfg.preferred_batch_sizes):
+        preferred = cfg.dynamic_batching.preferred_batch_size
+        if any(p > max_batch for p in preferred):
             raise ConfigError(
-                f"{where}.preferred_batch_sizes: {cfg.preferred_batch_sizes} exceed max_batch_size {max_batch}"
+                f"{where}.dynamic_batching.preferred_batch_size: {preferred} exceed max_batch_size {max_batch}"
             )
         declared = {i.name: i for i in cfg.inputs}
         names = [s.name for s in engine.inputs]

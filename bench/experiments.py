@@ -5,7 +5,7 @@
 All on CPU with the 512-2048-512 MLP of :mod:`bench.mlp` (ONNX Runtime, one intra-op thread per instance), binary
 tensors, one row per request, everything on 127.0.0.1. Each part starts its own ``batcher serve``:
 
-1. batching gain: dynamic batching on (max_batch_size 32, max_queue_delay_us 500) versus off (max_batch_size 1:
+1. batching gain: dynamic batching on (max_batch_size 32, max_queue_delay_microseconds 500) versus off (max_batch_size 1:
    every request runs alone, the seeds' design) at the same p99 target: an open-loop sweep over offered rates,
    and the highest achieved QPS whose p99 stays within the target, for each; the ratio on / off.
 2. instances: 1, 2 and 4 execution contexts, batching on, 32 closed-loop clients: QPS, p50, p99, batch size.
@@ -49,8 +49,9 @@ def _read(out: Path) -> list[dict]:
 
 
 def _model(name: str, path: Path, **kw) -> dict:
-    return {"name": name, "path": str(path), "intra_op_threads": 1, "max_queue_size": 4096,
-            "max_batch_size": 32, "max_queue_delay_us": 500, **kw}
+    return {"name": name, "path": str(path), "intra_op_threads": 1, "max_batch_size": 32,
+            "dynamic_batching": {"max_queue_delay_microseconds": 500, "default_queue_policy": {"max_queue_size": 4096}},
+            **kw}
 
 
 def _best_within(rows: list[dict], p99_ms: float) -> dict | None:
@@ -75,7 +76,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 def batching(tmp: Path, mlp: Path, args) -> list[dict]:
     rows = []
     for mode in ("on", "off"):
-        extra = {} if mode == "on" else {"max_batch_size": 1, "max_queue_delay_us": 0}
+        extra = {} if mode == "on" else {"max_batch_size": 1, "dynamic_batching": {}}
         with ServerProcess({"models": [_model("mlp", mlp, **extra)]}, tmp, name=f"batching-{mode}") as server:
             steps = _sweep(server, "mlp", tmp / f"batching-{mode}", "--rates", args.rates, "--duration",
                            str(args.duration), "--warmup", "1", "--arrivals", "poisson", "--max-inflight", "4096")
@@ -89,7 +90,7 @@ def batching(tmp: Path, mlp: Path, args) -> list[dict]:
 def instances(tmp: Path, mlp: Path, args) -> list[dict]:
     rows = []
     for n in (1, 2, 4):
-        with ServerProcess({"models": [_model("mlp", mlp, instances=n)]}, tmp, name=f"instances-{n}") as server:
+        with ServerProcess({"models": [_model("mlp", mlp, instance_group=[{"count": n}])]}, tmp, name=f"instances-{n}") as server:
             s = _sweep(server, "mlp", tmp / f"instances-{n}", "--mode", "closed", "--concurrency", "32",
                        "--duration", str(args.duration), "--warmup", "1")[0]
         rows.append({"instances": n, "qps": s["achieved_qps"], "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"],

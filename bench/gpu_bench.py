@@ -133,9 +133,10 @@ def _interp(raw: list[dict], batch: float) -> float:
 
 def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.ndarray, check_want: np.ndarray):
     cfg = {"models": [{
-        "name": "resnet18", "path": "zoo:resnet18", "device": "cuda", "instances": instances,
-        "max_batch_size": 32 if batching else 1, "max_queue_delay_us": args.delay_us if batching else 0,
-        "max_queue_size": 1024, "mode": args.mode,
+        "name": "resnet18", "path": "zoo:resnet18", "instance_group": [{"count": instances, "kind": "KIND_GPU"}],
+        "max_batch_size": 32 if batching else 1, "mode": args.mode,
+        "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us if batching else 0,
+                             "default_queue_policy": {"max_queue_size": 1024}},
     }]}
     with ServerProcess(cfg, workdir, name=f"i{instances}-{'on' if batching else 'off'}") as server:
         # correctness through the HTTP path as well

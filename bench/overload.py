@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench.server import ServerProcess
 
-MODEL = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "instances": 1, "intra_op_threads": 1,
-         "max_batch_size": 16, "max_queue_delay_us": 2000, "max_queue_size": 4096}
+MODEL = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "intra_op_threads": 1, "max_batch_size": 16,
+         "dynamic_batching": {"max_queue_delay_microseconds": 2000, "default_queue_policy": {"max_queue_size": 4096}}}
 
 
 def _sweep(server: ServerProcess, out: Path, *args: str) -> list[dict]:

@@ -151,9 +151,12 @@ def ours_config(model_path: Path, name: str, args: argparse.Namespace) -> dict:
     return {
         "server": {"host": "127.0.0.1", "log_level": "warning"},
         "models": [{
-            "name": name, "path": str(model_path), "backend": "onnxruntime", "device": "cpu", "instances": 1,
+            "name": name, "path": str(model_path), "backend": "onnxruntime",
             "intra_op_threads": args.intra_op_threads, "max_batch_size": args.max_batch_size,
-            "max_queue_delay_us": args.max_queue_delay_us, "max_queue_size": 1024,
+            # the adaptive window (a lone request runs at once when arrivals are sparse) is on here: it is what
+            # gives the one-client p50 of the peers table; Triton/PyTriton always wait out the window
+            "dynamic_batching": {"max_queue_delay_microseconds": args.max_queue_delay_us, "adaptive_queue_delay": True,
+                                 "default_queue_policy": {"max_queue_size": 1024}},
             "warmup_batch_sizes": sorted({1, min(8, args.max_batch_size), args.max_batch_size}),
         }],
     }

@@ -35,9 +35,11 @@ import orjson
 from bench.server import ServerProcess
 
 CONFIG = {"models": [
-    {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 16, "max_queue_delay_us": 1000, "timeout_ms": 2000},
+    {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 16,
+     "dynamic_batching": {"max_queue_delay_microseconds": 1000, "default_queue_policy": {"default_timeout_microseconds": 2_000_000}}},
     {"name": "ppocr_cls", "path": "zoo:ppocr_cls", "inputs": [{"name": "x", "dims": [3, 48, 192]}],
-     "max_batch_size": 16, "max_queue_delay_us": 1000, "timeout_ms": 2000},
+     "max_batch_size": 16,
+     "dynamic_batching": {"max_queue_delay_microseconds": 1000, "default_queue_policy": {"default_timeout_microseconds": 2_000_000}}},
 ]}
 
 

@@ -27,11 +27,18 @@ def test_default_config_serves_the_six_zoo_models():
     [
         ([{"name": "a", "path": "p", "max_batch_size": 0}], "models[0].max_batch_size: Input should be greater than"
                                                             " or equal to 1 (got 0)"),
-        ([{"name": "a", "path": "p"}, {"name": "b", "path": "p", "instances": "two"}], "models[1].instances:"),
-        ([{"name": "a", "path": "p", "max_queue_delay_us": -5}], "models[0].max_queue_delay_us"),
+        ([{"name": "a", "path": "p"}, {"name": "b", "path": "p", "instance_group": [{"count": "two"}]}],
+         "models[1].instance_group[0].count:"),
+        ([{"name": "a", "path": "p", "dynamic_batching": {"max_queue_delay_microseconds": -5}}],
+         "models[0].dynamic_batching.max_queue_delay_microseconds"),
+        ([{"name": "a", "path": "p", "instance_group": [{"kind": "KIND_CPU", "gpus": [0]}]}],
+         "gpus apply to kind KIND_GPU only"),
+        ([{"name": "a", "path": "p", "instance_group": [{"kind": "KIND_GPU"}, {"kind": "KIND_CPU"}]}],
+         "every group of a model must have the same kind"),
         ([{"name": "a", "path": "p", "colour": "red"}], "models[0].colour: Extra inputs are not permitted"),
         ([{"name": "a b", "path": "p"}], "models[0].name: model name must match"),
-        ([{"name": "a", "path": "p", "max_batch_size": 4, "preferred_batch_sizes": [8]}], "exceed max_batch_size 4"),
+        ([{"name": "a", "path": "p", "max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}}],
+         "exceeds max_batch_size 4"),
         ([{"name": "a", "path": "p"}, {"name": "a", "path": "q"}], "configured twice"),
         ([{"name": "a", "path": "p", "fallback": "zzz"}], "models[0].fallback: 'zzz' is not another configured model"),
         ([{"name": "a", "path": "p", "inputs": [{"name": "x", "dims": [0]}]}], "models[0].inputs[0].dims"),
@@ -42,6 +49,40 @@ def test_bad_values_are_reported_with_path_and_value(models, fragment):
     with pytest.raises(ConfigError) as exc:
         parse_config({"models": models})
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("old,new", [
+    ({"instances": 2}, "use instance_group[].count"),
+    ({"device": "cuda"}, "use instance_group[].kind"),
+    ({"max_queue_delay_us": 100}, "use dynamic_batching.max_queue_delay_microseconds"),
+    ({"preferred_batch_sizes": [4]}, "use dynamic_batching.preferred_batch_size"),
+    ({"max_queue_size": 4}, "use dynamic_batching.default_queue_policy.max_queue_size"),
+    ({"timeout_ms": 5}, "use dynamic_batching.default_queue_policy.default_timeout_microseconds"),
+    ({"priority_levels": 2}, "use dynamic_batching.priority_levels"),
+    ({"max_priority_wait_ms": 2}, "use dynamic_batching.max_priority_wait_microseconds"),
+    ({"dynamic_batching": {"max_queue_delay_us": 5}}, "use dynamic_batching.max_queue_delay_microseconds"),
+])
+def test_keys_of_the_old_format_name_their_new_place(old, new):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"models": [{"name": "a", "path": "p", **old}]})
+    assert new in str(exc.value)
+
+
+def test_instance_groups_place_count_contexts_on_each_gpu():
+    m = parse_config({"models": [{"name": "a", "path": "p", "instance_group": [
+        {"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}, {"count": 1, "kind": "KIND_GPU", "gpus": [1]}]}]}).models[0]
+    assert m.placements == [0, 0, 1, 1, 1] and m.instances == 5 and m.device == "cuda"
+    cpu = parse_config({"models": [{"name": "a", "path": "p"}]}).models[0]
+    assert cpu.placements == [0] and cpu.device == "cpu" and cpu.default_timeout_s is None
+
+
+def test_relative_model_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "c.yaml").write_text("models:\n  - {name: m, path: models/m.onnx}\n  - {name: z, path: 'zoo:tiny_cnn'}\n")
+    monkeypatch.chdir("/")
+    cfg = load_config(tmp_path / "conf" / "c.yaml")
+    assert cfg.models[0].path == str(tmp_path / "conf" / "models" / "m.onnx")
+    assert cfg.models[1].path == "zoo:tiny_cnn"
 
 
 class ProfileEngine(Engine):

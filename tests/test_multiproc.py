@@ -57,7 +57,7 @@ async def test_killed_worker_fails_its_batch_with_503_is_restarted_and_others_ke
 def test_multiproc_server_stops_cleanly_and_leaves_no_workers_or_segments(start_server):
     before = set(os.listdir("/dev/shm"))
     server = start_server({"server": {"repository_api": True},
-                           "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn", "mode": "multiproc", "instances": 2}]})
+                           "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn", "mode": "multiproc", "instance_group": [{"count": 2}]}]})
     pids = _index(server)["tiny_cnn"]["worker_pids"]
     assert len(pids) == 2 and all(pids)
     req = urllib.request.Request(f"{server.base}/v2/models/tiny_cnn/infer", **_body(3))

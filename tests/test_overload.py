@@ -9,7 +9,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "instances": 1, "intra_op_threads": 1, "max_batch_size": 8}
+MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
 
 
 def _binary_request(x: np.ndarray, timeout_us: int | None = None, priority: int | None = None) -> dict:
@@ -26,7 +26,7 @@ def _binary_request(x: np.ndarray, timeout_us: int | None = None, priority: int 
 
 async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_server):
     """Acceptance 5: a 50 ms request queued behind a slow batch gets 504 within 50-100 ms and never executes."""
-    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    server = start_server({"models": [{**MID}]})
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     big = np.ones((8, 3, 224, 224), np.float32)  # ~0.5 s on one thread
@@ -55,7 +55,7 @@ async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_se
 
 async def test_queue_full_answers_503_with_retry_after(start_server):
     """Acceptance 5: max_queue_size 4, 50 simultaneous requests: only 200s and 503s, adding up to 50."""
-    server = start_server({"models": [{**MID, "max_queue_size": 4, "max_queue_delay_us": 0}]})
+    server = start_server({"models": [{**MID, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 4}}}]})
     url = f"{server.base}/v2/models/mid_cnn/infer"
     x = np.ones((1, 3, 224, 224), np.float32)
     depths: list[float] = []
@@ -129,7 +129,7 @@ async def test_body_over_limit_is_413(start_server):
 
 async def test_client_that_goes_away_while_queued_is_never_executed(start_server):
     """A queued request whose client disconnects is dropped: it never runs and counts as canceled."""
-    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    server = start_server({"models": [{**MID}]})
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     async with aiohttp.ClientSession() as s:
@@ -171,8 +171,8 @@ async def test_stalled_upload_gets_408(start_server):
 
 async def test_higher_priority_is_served_first(start_server):
     """Two levels; while a blocker runs, three level-2 requests queue, then one level-1 request: it runs next."""
-    server = start_server({"models": [{**MID, "max_batch_size": 1, "priority_levels": 2,
-                                       "default_priority_level": 2, "max_priority_wait_ms": 60000}]})
+    server = start_server({"models": [{**MID, "max_batch_size": 1, "dynamic_batching": {
+        "priority_levels": 2, "default_priority_level": 2, "max_priority_wait_microseconds": 60_000_000}}]})
     url = f"{server.base}/v2/models/mid_cnn/infer"
     done: list[str] = []
     async with aiohttp.ClientSession() as s:
@@ -192,7 +192,7 @@ async def test_higher_priority_is_served_first(start_server):
 
 
 async def test_bad_priority_is_400(start_server):
-    server = start_server({"models": [{**MID, "priority_levels": 2}]})
+    server = start_server({"models": [{**MID, "dynamic_batching": {"priority_levels": 2}}]})
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
                           **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=3)) as r:
@@ -203,7 +203,7 @@ async def test_bad_priority_is_400(start_server):
 async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met(start_server):
     """Once the server has measured execution time, a request whose deadline falls before the rows ahead of it
     can drain gets 503 with a Retry-After from the estimated drain time at once, not a 504 after waiting."""
-    server = start_server({"models": [{**MID, "max_queue_delay_us": 0}]})
+    server = start_server({"models": [{**MID}]})
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     loop = asyncio.get_running_loop()
@@ -227,7 +227,7 @@ async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met
 
 
 async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
-    server = start_server({"server": {"shutdown_grace_s": 20}, "models": [{**MID, "max_queue_delay_us": 0}]})
+    server = start_server({"server": {"shutdown_grace_s": 20}, "models": [{**MID}]})
     url = f"{server.base}/v2/models/mid_cnn/infer"
     async with aiohttp.ClientSession() as s:
 
@@ -250,7 +250,7 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
 
 async def test_no_answer_after_the_deadline_even_while_executing(start_server):
     """A request whose batch is still executing at its deadline gets 504 at the deadline, not its late result."""
-    server = start_server({"models": [{**MID, "max_queue_delay_us": 0, "admission_control": False}]})
+    server = start_server({"models": [{**MID, "dynamic_batching": {"admission_control": False}}]})
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as s:
         t0 = loop.time()
@@ -267,7 +267,7 @@ async def test_no_answer_after_the_deadline_even_while_executing(start_server):
 async def test_client_that_goes_away_during_execution_does_not_disturb_its_batch(start_server):
     """Two requests share one batch (100 ms window); one client hangs up while the batch executes: its rows are
     discarded, the other request gets its answer, and the model keeps serving."""
-    server = start_server({"models": [{**MID, "max_queue_delay_us": 100_000}]})
+    server = start_server({"models": [{**MID, "dynamic_batching": {"max_queue_delay_microseconds": 100_000}}]})
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     async with aiohttp.ClientSession() as s:
@@ -291,9 +291,10 @@ async def test_client_that_goes_away_during_execution_does_not_disturb_its_batch
 
 async def test_low_priority_waits_at_most_the_starvation_bound(start_server):
     """A steady stream of level-1 requests keeps the model busy for ~2 s; a level-2 request sent early is served
-    once it has waited max_priority_wait_ms (300 ms), plus the batch running then, not after the stream."""
-    server = start_server({"models": [{**MID, "max_batch_size": 1, "priority_levels": 2, "default_priority_level": 2,
-                                       "max_priority_wait_ms": 300, "max_queue_size": 64}]})
+    once it has waited max_priority_wait_microseconds (300 ms), plus the batch running then, not after the stream."""
+    server = start_server({"models": [{**MID, "max_batch_size": 1, "dynamic_batching": {
+        "priority_levels": 2, "default_priority_level": 2, "max_priority_wait_microseconds": 300_000,
+        "default_queue_policy": {"max_queue_size": 64}}}]})
     url = f"{server.base}/v2/models/mid_cnn/infer"
     loop = asyncio.get_running_loop()
     x = np.ones((1, 3, 224, 224), np.float32)

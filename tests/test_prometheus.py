@@ -363,9 +363,9 @@ def test_every_dashboard_and_alert_expression_returns_data(start_server, tmp_pat
         "server": {"load_strategy": "lru", "memory_budget_mb": 1024, "repository_api": True},
         "models": [
             {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "intra_op_threads": 1, "max_batch_size": 8,
-             "max_queue_delay_us": 2000},
+             "dynamic_batching": {"max_queue_delay_microseconds": 2000}},
             {"name": "ppocr_cls", "path": "zoo:ppocr_cls", "intra_op_threads": 1, "max_batch_size": 8,
-             "max_queue_delay_us": 2000, "inputs": [{"name": "x", "dims": [3, 48, 192]}]},
+             "dynamic_batching": {"max_queue_delay_microseconds": 2000}, "inputs": [{"name": "x", "dims": [3, 48, 192]}]},
         ],
     })
 

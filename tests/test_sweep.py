@@ -279,7 +279,7 @@ def test_cli_help_describes_every_option(capsys):
 
 def test_sweep_against_a_real_server(start_server, tmp_path):
     server = start_server({"models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 8,
-                                       "max_queue_delay_us": 1000, "intra_op_threads": 1}]})
+                                       "dynamic_batching": {"max_queue_delay_microseconds": 1000}, "intra_op_threads": 1}]})
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "sweep", "--url", server.base, "--model", "tiny_cnn", "--rates", "20,40",
