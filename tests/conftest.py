@@ -1,4 +1,8 @@
-"""Shared fixtures: real servers started as `python -m batcher serve` subprocesses on 127.0.0.1."""
+"""Shared fixtures: real servers started as `python -m batcher serve` subprocesses on 127.0.0.1.
+
+Tests live in two tiers, each marked by its folder: ``tests/unit`` (``-m unit``: in-process, fast) and
+``tests/integration`` (``-m integration``: real servers and clients). ``python -m pytest`` runs unit first.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from pathlib import Path
 import pytest
 
 from bench.server import ServerProcess
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in ("unit", "integration"):
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -133,67 +130,9 @@ def test_declared_dims_narrow_and_must_agree_with_the_model():
     assert sig.check("m", {"x": np.zeros((5, 3, 48, 8), np.float32)}) == 5
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batcher", *args], capture_output=True, text=True, timeout=60)
-
-
-def test_cli_help_describes_every_option():
-    top = _cli("--help")
-    assert top.returncode == 0 and "serve" in top.stdout and "check-config" in top.stdout
-    serve = _cli("serve", "--help")
-    assert serve.returncode == 0
-    for opt in ("--config", "--host", "--port", "--log-level", "--access-log", "configs/default.yaml"):
-        assert opt in serve.stdout, opt
-
-
-def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("models:\n  - {name: m, path: zoo:tiny_cnn}\n  - {name: n, path: zoo:tiny_cnn, max_batch_size: -3}\n")
-    r = _cli("check-config", str(bad))
-    assert r.returncode == 2
-    assert "models[1].max_batch_size" in r.stderr and "(got -3)" in r.stderr
-    r = _cli("serve", "--config", str(tmp_path / "missing.yaml"))
-    assert r.returncode == 2 and "cannot read config" in r.stderr
-
-
-def test_serve_fails_clearly_on_an_unknown_zoo_model(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("models:\n  - {name: m, path: 'zoo:nope'}\n")
-    r = _cli("serve", "--config", str(cfg), "--port", "0")
-    assert r.returncode == 2
-    assert "models[0].path" in r.stderr and "ppocr_det" in r.stderr
-
-
-def test_check_config_resolves_paths_and_load_checks_dims(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("models:\n  - {name: a, path: 'zoo:nope'}\n  - {name: b, path: /no/such.onnx}\n"
-                   "  - {name: c, path: 'zoo:ppocr_cls', inputs: [{name: x, dims: [4, 48, 192]}]}\n")
-    r = _cli("check-config", str(cfg))
-    assert r.returncode == 2
-    assert "models[0]" in r.stderr and "ppocr_det" in r.stderr  # names the known zoo models
-    assert "models[1].path: '/no/such.onnx' is not a file" in r.stderr
-    assert r.stdout.startswith("c v1:")  # the loadable one is listed
-    r = _cli("check-config", "--load", str(cfg))
-    assert "models[2].inputs[0].dims[0]: 4 contradicts the model's fixed size 3" in r.stderr
-
-
-def test_tensorrt_backend_without_tensorrt_fails_clearly(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("models:\n  - {name: m, path: 'zoo:tiny_cnn', backend: tensorrt, runtime: full,\n"
-                   "     build: {profiles: [{input: {min: [1,3,224,224], opt: [8,3,224,224], max: [32,3,224,224]}}]}}\n")
-    r = _cli("serve", "--config", str(cfg), "--port", "0")
-    assert r.returncode == 2
-    assert "models[0]" in r.stderr and "tensorrt" in r.stderr.lower()
-
-
 def test_onnxruntime_models_reject_tensorrt_options():
     with pytest.raises(ConfigError, match="build and runtime apply to backend tensorrt only"):
         parse_config({"models": [{"name": "m", "path": "p", "runtime": "lean"}]})
-
-
-def test_cli_rejects_a_port_out_of_range():
-    r = _cli("serve", "--port", "70000")
-    assert r.returncode == 2 and "expected 0-65535, got 70000" in r.stderr
 
 
 @pytest.mark.parametrize(
