@@ -1,6 +1,6 @@
-"""The aiohttp application: routes, the one place errors become responses, and the registry's lifetime.
+"""The aiohttp application: routes, the one place errors become responses, and the data plane's lifetime.
 
-The registry (models, their threads and memory) lives in ``cleanup_ctx``: it is loaded before the server
+The data plane (models, their threads and memory) lives in ``cleanup_ctx``: it is started before the server
 accepts connections and closed, with every task cancelled and awaited, when the server stops.
 """
 
@@ -17,10 +17,10 @@ from aiohttp import web
 
 from .config import Config
 from .errors import BatcherError
-from .keys import CONFIG, METRICS, REGISTRY
+from .dataplane import DataPlane
+from .keys import CONFIG, DATAPLANE, METRICS
 from .metrics import Metrics
-from .registry import Registry
-from .routes import routes
+from .routes import routes, warm_codec
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(500, f"internal error: {exc!r}")
 
 
-def _drain_on_sigterm(registry: Registry, grace_s: float) -> None:
+def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
     """SIGTERM: readiness turns false at once and new requests get 503 + Retry-After, while accepted requests
     finish (at most ``grace_s``); then SIGINT starts aiohttp's graceful exit, which releases the models.
 
@@ -69,7 +69,7 @@ def _drain_on_sigterm(registry: Registry, grace_s: float) -> None:
     tasks: list[asyncio.Task] = []
 
     async def drain_then_exit() -> None:
-        await registry.drain(grace_s)
+        await dataplane.drain(grace_s)
         os.kill(os.getpid(), signal.SIGINT)
 
     def on_sigterm() -> None:
@@ -89,16 +89,17 @@ def create_app(config: Config) -> web.Application:
     metrics = Metrics()
     app[CONFIG] = config
     app[METRICS] = metrics
-    app[REGISTRY] = Registry(config, metrics)
+    app[DATAPLANE] = dataplane = DataPlane(config, metrics)
+    dataplane.repository.on_load.append(warm_codec)  # the HTTP side's load hook
 
-    async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
-        registry = app[REGISTRY]
-        await registry.start()
-        _drain_on_sigterm(registry, config.server.shutdown_grace_s)
+    async def dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
+        await dataplane.start()
+        _drain_on_sigterm(dataplane, config.server.shutdown_grace_s)
         yield
-        log.info("shutting down: releasing %d loaded model(s)", registry.loaded_count)
-        await registry.close()
+        loaded = sum(1 for s in dataplane.repository.all() if s.loaded is not None)
+        log.info("shutting down: releasing %d loaded model(s)", loaded)
+        await dataplane.close()
 
-    app.cleanup_ctx.append(registry_ctx)
+    app.cleanup_ctx.append(dataplane_ctx)
     app.add_routes(routes)
     return app

@@ -59,6 +59,14 @@ class Pending:
     priority: int = 1
 
 
+def priority_level(priority: int | None, levels: int, default_level: int) -> int:
+    """The priority level of a request's ``parameters.priority``: 1..levels as given; none, 0 or above the model's
+    levels mean the default level (Triton's rule: clients that always send a priority are never refused)."""
+    if priority is None or priority < 1 or priority > levels:
+        return default_level
+    return priority
+
+
 def urgency(p: Pending, now: float, starve_after_s: float | None = None) -> tuple[int, float, float]:
     """Sort key of the queue: priority level (1 = highest, Triton's convention), then earliest deadline, then
     arrival. A request that has waited ``starve_after_s`` is promoted above every level (level 0), which bounds
@@ -104,6 +112,110 @@ def batch_is_full(rows: int, max_batch_size: int, preferred_batch_sizes: Sequenc
     if rows >= max_batch_size:
         return True
     return bool(preferred_batch_sizes) and rows >= preferred_batch_sizes[-1]
+
+
+class BatchTimes:
+    """Measured execution seconds per batch size (moving averages, like Triton's per-batch-size statistics) and
+    estimates for the sizes not measured yet.
+
+    An estimate is a lower bound wherever it extrapolates, so that admission control (:func:`admission`) refuses
+    only work that cannot finish in time, never work that merely might not: execution time grows with rows but
+    at most linearly once the fixed cost is paid (``t(n) = a + b * n`` with ``a, b >= 0``), so
+
+    * between two measured sizes, linear interpolation (exact for that model);
+    * above the largest measured size ``m``: ``t(m)`` (a batch is never faster with more rows);
+    * below the smallest measured size ``m``: ``t(m) * n / m`` (the fixed cost is not assumed).
+    """
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.by_size: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One executed batch of ``rows`` rows took ``seconds``."""
+        old = self.by_size.get(rows)
+        self.by_size[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds one batch of ``rows`` rows should take; None before any batch ran."""
+        if not self.by_size:
+            return None
+        if rows <= 0:
+            return 0.0
+        if rows in self.by_size:
+            return self.by_size[rows]
+        below = [n for n in self.by_size if n < rows]
+        above = [n for n in self.by_size if n > rows]
+        if below and above:
+            lo, hi = max(below), min(above)
+            t_lo, t_hi = self.by_size[lo], self.by_size[hi]
+            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        if below:
+            return self.by_size[max(below)]
+        hi = min(above)
+        return self.by_size[hi] * rows / hi
+
+    def drain(self, ahead_rows: int, max_batch_size: int, contexts: int) -> float | None:
+        """Seconds until ``ahead_rows`` rows (queued and executing) are done: full batches of ``max_batch_size``
+        and one remainder batch, spread over ``contexts``. None before any batch ran."""
+        full, rest = divmod(ahead_rows, max_batch_size)
+        t_full, t_rest = self.estimate(max_batch_size), self.estimate(rest)
+        if t_full is None or t_rest is None:
+            return None
+        return (full * t_full + t_rest) / contexts
+
+
+def window_wait(now: float, first_arrival: float, delay_s: float, earliest_deadline: float | None = None,
+                batch_seconds: float | None = None) -> float:
+    """Seconds a batch may still wait for more requests (<= 0: dispatch now).
+
+    The window opens at the batch's first request (Triton's ``max_queue_delay_microseconds``, after Ray Serve's
+    ``batch_wait_timeout_s``: the wait starts at the first request, not at the call); it closes early when the
+    batch's earliest deadline needs the time left to execute the batch (``batch_seconds``, estimated).
+    """
+    wait = first_arrival + delay_s - now
+    if earliest_deadline is not None and batch_seconds is not None:
+        wait = min(wait, earliest_deadline - now - batch_seconds)
+    return wait
+
+
+def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:
+    """Whether holding a batch open for up to ``delay_s`` is likely to gather another request (the rule of
+    ``adaptive_queue_delay``).
+
+    When requests arrive on average more than two windows apart, a lone request would almost always wait the
+    whole window for nothing, so it runs at once. At load, gaps shrink below the window and batches form as
+    configured.
+    """
+    return delay_s > 0 and mean_gap_s < 2 * delay_s
+
+
+class Verdict(enum.Enum):
+    """Admission control's answer for a request (:func:`admission`)."""
+
+    ADMIT = "admit"
+    LATE = "late"  #: its deadline has passed already (504)
+    CANNOT_FINISH = "cannot_finish"  #: the work ahead cannot drain in time (503 + Retry-After)
+
+
+def admission(now: float, deadline: float, rows: int, ahead_rows: int, times: BatchTimes, max_batch_size: int,
+              contexts: int) -> tuple[Verdict, float]:
+    """Whether a request of ``rows`` rows can finish before ``deadline`` behind ``ahead_rows`` rows.
+
+    Finished in time means: the rows ahead and its own drained before the deadline (:meth:`BatchTimes.drain`, a
+    lower bound where it extrapolates). Without an estimate (no batch ran yet) every request is admitted.
+
+    Returns:
+        the verdict and the estimated drain time of the rows ahead, in seconds (0.0 without an estimate).
+    """
+    drain = times.drain(ahead_rows, max_batch_size, contexts)
+    if drain is None:
+        return Verdict.ADMIT, 0.0
+    if now >= deadline:
+        return Verdict.LATE, drain
+    if now + times.drain(ahead_rows + rows, max_batch_size, contexts) > deadline:
+        return Verdict.CANNOT_FINISH, drain
+    return Verdict.ADMIT, drain
 
 
 def stack_inputs(

@@ -83,7 +83,7 @@ def _port(text: str) -> int:
 def _check(config, load: bool) -> int:
     from engines.zoo import ZooError, resolve
 
-    from .registry import load_model
+    from .loader import load_model
 
     problems = 0
     for i, m in enumerate(config.models):
@@ -93,10 +93,7 @@ def _check(config, load: bool) -> int:
             if not path.is_file():
                 raise ConfigError(f"{where}.path: {str(path)!r} is not a file")
             if load:
-                loaded = load_model(m, where)
-                for ctx in loaded.contexts:
-                    ctx.release()
-                loaded.engine.release()
+                load_model(m, where).release()
         except (ZooError, ConfigError) as exc:
             print(f"batcher: {where}: {exc}" if isinstance(exc, ZooError) else f"batcher: {exc}", file=sys.stderr)
             problems += 1

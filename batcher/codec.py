@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,41 +30,12 @@ import orjson
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
 from .errors import InvalidInput
+from .protocol import InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LEN = struct.Struct("<I")
 #: a dimension at or above this is rejected (numpy's own limit is 2**63; no real tensor comes near 2**31).
 MAX_DIM = 2**31
-
-
-@dataclass(frozen=True)
-class RequestedOutput:
-    """An output the client asked for; ``binary`` is None when the client did not say."""
-
-    name: str
-    binary: bool | None = None
-
-
-@dataclass
-class InferRequest:
-    """A decoded inference request.
-
-    Attributes:
-        inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``).
-        outputs: requested outputs in order; None means every output of the model.
-        binary_output: the request-level ``binary_data_output`` default.
-        timeout_us: Triton's ``parameters.timeout`` (microseconds), if given; 0 means "no timeout of its own"
-            (the model's default timeout applies), as in Triton.
-    """
-
-    inputs: dict[str, np.ndarray]
-    id: str | None = None
-    outputs: list[RequestedOutput] | None = None
-    binary_output: bool = False
-    timeout_us: int | None = None
-    #: Triton's ``parameters.priority``: 1 is the highest level; None (or 0) means the model's default level.
-    priority: int | None = None
-    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 def _int_param(params: dict[str, Any], key: str, where: str) -> int | None:
@@ -314,22 +284,18 @@ def decode_request(
     )
 
 
-def encode_response(
-    model_name: str,
-    model_version: str,
-    outputs: dict[str, np.ndarray],
-    request: InferRequest,
-) -> tuple[bytes, int | None]:
+def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
     """Encode an inference response.
 
     Args:
-        outputs: output name -> array for this request only (first dim = the request's rows).
-        request: the decoded request (its ``id``, requested outputs and binary flags).
+        response: the model that ran, this request's rows of every output (first dim = its rows), and the
+            request (its ``id``, requested outputs and binary flags).
 
     Returns:
         ``(body, json_length)``; ``json_length`` is None for a pure-JSON body, else the value for the
         ``Inference-Header-Content-Length`` header (binary tensors follow the JSON).
     """
+    request, outputs = response.request, response.outputs
     wanted = request.outputs
     if wanted is None:
         wanted = [RequestedOutput(name) for name in outputs]
@@ -348,7 +314,8 @@ def encode_response(
         else:
             entry["data"] = np.ascontiguousarray(arr).ravel()
         entries.append(entry)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
+    doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version,
+                           "outputs": entries}
     if request.id is not None:
         doc["id"] = request.id
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)

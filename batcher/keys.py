@@ -5,9 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from .config import Config
+from .dataplane import DataPlane
 from .metrics import Metrics
-from .registry import Registry
 
 CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
-REGISTRY = web.AppKey("registry", Registry)
+DATAPLANE = web.AppKey("dataplane", DataPlane)

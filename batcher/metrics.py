@@ -122,17 +122,13 @@ class Metrics:
         )
 
     def for_model(self, model: str, version: str) -> ModelMetrics:
-        """Children bound to one model version (label lookups done once, off the hot path)."""
+        """The execution-side children bound to one model version (label lookups done once, off the hot path)."""
         lv = (model, version)
         return ModelMetrics(
-            labels=lv,
-            success=self.success.labels(*lv),
-            failure=self.failure,
             inference_count=self.inference_count.labels(*lv),
             execution_count=self.execution_count.labels(*lv),
             queue_duration=self.queue_duration.labels(*lv),
             compute_duration=self.compute_duration.labels(*lv),
-            request_duration=self.request_duration.labels(*lv),
             batch_size=self.batch_size.labels(*lv),
             compute_input=self.compute_input.labels(*lv),
             compute_infer=self.compute_infer.labels(*lv),
@@ -143,19 +139,15 @@ class Metrics:
 
 @dataclass
 class ModelMetrics:
-    labels: tuple[str, str]
-    success: Counter
-    failure: Counter
+    """The execution-side metrics of one model version (the scheduler's); request outcomes are counted by the
+    data plane on :class:`Metrics` itself."""
+
     inference_count: Counter
     execution_count: Counter
     queue_duration: Histogram
     compute_duration: Histogram
-    request_duration: Histogram
     batch_size: Histogram
     queue_depth: Gauge
     compute_input: Counter
     compute_infer: Counter
     compute_output: Counter
-
-    def fail(self, reason: str) -> None:
-        self.failure.labels(*self.labels, reason).inc()

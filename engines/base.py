@@ -22,6 +22,11 @@ class EngineError(RuntimeError):
     """A backend failed to load a model or to execute a batch; the message gives the backend's reason."""
 
 
+class EngineUnavailable(EngineError):
+    """The context cannot run batches for now (e.g. its worker process died with the batch and is being
+    restarted); the caller should answer 503 + Retry-After rather than 500."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A named tensor of an engine.

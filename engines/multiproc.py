@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from .base import Engine, EngineError, ExecutionContext, TensorSpec
+from .base import Engine, EngineError, EngineUnavailable, ExecutionContext, TensorSpec
 
 #: seconds to wait for a worker to load its model and connect back.
 START_TIMEOUT_S = 120.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
-class WorkerCrashed(EngineError):
+class WorkerCrashed(EngineUnavailable):
     """The worker process of an execution context died; the batch it ran is lost (the server answers 503)."""
 
 

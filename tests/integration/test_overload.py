@@ -191,13 +191,15 @@ async def test_higher_priority_is_served_first(start_server):
     assert done.index("high") < min(done.index(f"low{i}") for i in range(3)), done
 
 
-async def test_bad_priority_is_400(start_server):
+async def test_priority_zero_or_above_the_levels_means_the_default_level(start_server):
+    """Triton's rule: clients that always send a priority are served; 0 and out-of-range levels take the default."""
     server = start_server({"models": [{**MID, "dynamic_batching": {"priority_levels": 2}}]})
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
-                          **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=3)) as r:
-            assert r.status == 400
-            assert "priority 3 is outside 1..2" in (await r.json())["error"]
+        for priority in (0, 1, 2, 3, 99):
+            async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
+                              **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
+                assert r.status == 200, (priority, await r.text())
+    assert server.metric("batcher_request_success_total", model="mid_cnn", version="1") == 5
 
 
 async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met(start_server):

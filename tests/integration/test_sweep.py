@@ -20,7 +20,7 @@ from bench.sweep import (
     drive_open, measured_wall, percentile, resolve_inputs, summarize,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CSV_COLUMNS = [
     "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",

@@ -58,8 +58,35 @@ def test_split_rejects_outputs_without_the_batch_rows():
         split_outputs({"y": np.zeros((2, 4))}, [1, 2])
 
 
+def test_batch_time_estimates_interpolate_and_never_overshoot_when_extrapolating():
+    from batcher.batching import BatchTimes
+
+    t = BatchTimes(alpha=0.5)
+    assert t.estimate(4) is None and t.drain(10, 8, 1) is None
+    t.record(2, 0.020)
+    t.record(8, 0.050)
+    assert t.estimate(8) == 0.050 and t.estimate(4) == pytest.approx(0.030)  # linear between measured sizes
+    assert t.estimate(32) == 0.050  # above: a batch is never faster with more rows
+    assert t.estimate(1) == pytest.approx(0.010)  # below: no fixed cost assumed
+    t.record(8, 0.070)  # moving average
+    assert t.estimate(8) == pytest.approx(0.060)
+    assert t.drain(18, 8, 1) == pytest.approx(2 * 0.060 + 0.020) and t.drain(18, 8, 2) == pytest.approx(0.070)
+
+
+def test_admission_verdicts():
+    from batcher.batching import BatchTimes, Verdict, admission
+
+    t = BatchTimes()
+    assert admission(0.0, 1.0, 1, 100, t, 8, 1) == (Verdict.ADMIT, 0.0)  # no estimate yet
+    t.record(8, 0.1)
+    assert admission(2.0, 1.0, 1, 0, t, 8, 1)[0] is Verdict.LATE
+    assert admission(0.0, 1.0, 1, 80, t, 8, 1) == (Verdict.CANNOT_FINISH, pytest.approx(1.0))
+    assert admission(0.0, 1.0, 1, 72, t, 8, 1)[0] is Verdict.ADMIT  # 0.9 s + its own row (0.0125 s)
+    assert admission(0.0, 1.0, 1, 80, t, 8, 2)[0] is Verdict.ADMIT
+
+
 def test_the_batch_window_is_held_only_when_more_requests_are_likely():
-    from batcher.scheduler import worth_waiting
+    from batcher.batching import worth_waiting
 
     assert worth_waiting(0.0002, 0.0005)  # arrivals 0.2 ms apart: a 0.5 ms window gathers more
     assert not worth_waiting(0.002, 0.0005)  # 2 ms apart: a lone request would wait for nothing

@@ -10,6 +10,7 @@ import pytest
 
 from batcher.codec import (
     InferRequest,
+    InferResponse,
     RequestedOutput,
     decode_bytes_elements,
     decode_request,
@@ -147,7 +148,7 @@ def test_request_parameters():
 def test_encode_json_and_binary_outputs():
     outputs = {"o": np.array([[1.5, np.nan]], np.float32), "p": np.array([[1, 2]], np.int64)}
     req = InferRequest(inputs={}, id="r1", outputs=[RequestedOutput("o", True), RequestedOutput("p")])
-    body, n = encode_response("m", "1", outputs, req)
+    body, n = encode_response(InferResponse("m", "1", outputs, req))
     head = orjson.loads(body[:n])
     assert head == {"model_name": "m", "model_version": "1", "id": "r1", "outputs": [
         {"name": "o", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}},
@@ -159,16 +160,16 @@ def test_encode_json_and_binary_outputs():
 
 def test_encode_json_non_finite_is_null_and_valid_json():
     req = InferRequest(inputs={})
-    body, n = encode_response("m", "1", {"o": np.array([np.inf, -np.inf, np.nan, 2], np.float32)}, req)
+    body, n = encode_response(InferResponse("m", "1", {"o": np.array([np.inf, -np.inf, np.nan, 2], np.float32)}, req))
     assert n is None
     assert orjson.loads(body)["outputs"][0]["data"] == [None, None, None, 2.0]
 
 
 def test_encode_bytes_output_json_and_binary():
     arr = np.array([b"ab", b"c"], dtype=object)
-    body, n = encode_response("m", "1", {"s": arr}, InferRequest(inputs={}))
+    body, n = encode_response(InferResponse("m", "1", {"s": arr}, InferRequest(inputs={})))
     assert orjson.loads(body)["outputs"][0] == {"name": "s", "datatype": "BYTES", "shape": [2], "data": ["ab", "c"]}
-    body, n = encode_response("m", "1", {"s": arr}, InferRequest(inputs={}, binary_output=True))
+    body, n = encode_response(InferResponse("m", "1", {"s": arr}, InferRequest(inputs={}, binary_output=True)))
     assert decode_bytes_elements(body[n:], 2, "s").tolist() == [b"ab", b"c"]
 
 

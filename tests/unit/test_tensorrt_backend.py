@@ -18,7 +18,7 @@ from engines.base import EngineError, TensorSpec
 from engines.tensorrt import TensorRTEngine, TensorRTError
 from fake_tensorrt import FakeTensorRT, make_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 IMAGE = [1, 3, 4, 4]
 

@@ -1,0 +1,266 @@
+"""The data plane: what the server does for each KServe v2 call, free of any transport.
+
+After MLServer's ``handlers/dataplane.py``: the HTTP handlers (:mod:`batcher.routes`) only read bodies, decode,
+encode and build responses; they call :class:`DataPlane`, which routes to a model version, pins it, validates,
+queues, waits and accounts. A front end in another process can call the same methods across a process boundary.
+
+Accounting rule (one place, :meth:`DataPlane.infer`): every inference request that names a configured model
+moves exactly one outcome - ``batcher_request_success_total`` and the statistics extension's ``success``, or
+``batcher_request_failure_total{reason}`` and ``fail`` - counted on the model version that answered it (the
+fallback model when routing went there), after its answer was delivered. Requests for unknown models (404) are
+counted nowhere, as in Triton. Reasons: ``invalid`` (400, 401, 408, 413), ``rejected`` (503), ``timeout``
+(504, also an answer ready after its deadline), ``backend`` (500 from the engine), ``canceled`` (the client
+went away), ``other`` (a server bug, 500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from engines.base import ExecutionContext
+
+from .config import Config
+from .errors import BatcherError, ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
+from .executor import Executor, ThreadExecutor
+from .metrics import Metrics
+from .protocol import InferRequest, InferResponse
+from .repository import READY, ModelRepository, ModelSlot
+from .retention import ThroughputTracker
+from .routing import Router
+from .scheduler import ModelRunner
+from .signature import ModelSignature
+from .triton_config import PLATFORMS, model_config_json
+
+T = TypeVar("T")
+
+
+def request_deadline(received: float, timeout_us: int | None, default_timeout_s: float | None) -> float | None:
+    """A request's deadline (event-loop seconds): its ``parameters.timeout`` (microseconds), else the model's
+    default timeout, counted from ``received``; None when neither is set."""
+    if timeout_us:
+        return received + timeout_us / 1e6
+    if default_timeout_s:
+        return received + default_timeout_s
+    return None
+
+
+class DataPlane:
+    """Inference, metadata, statistics and repository calls over one :class:`ModelRepository`."""
+
+    def __init__(self, config: Config, metrics: Metrics, repository: ModelRepository | None = None,
+                 executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor) -> None:
+        """``executor(context, name)`` makes the owner of one execution context (a thread by default; tests pass
+        one that runs batches on the event loop)."""
+        self.config = config
+        self._executor = executor
+        self.metrics = metrics
+        self.repository = repository or ModelRepository(config, metrics)
+        self.router = Router(self.repository)
+        self.repository.on_load.insert(0, self._attach_runner)
+        #: False until started, and again from the moment a drain begins: new requests get 503.
+        self.ready = False
+        self._active = 0  # accepted inference requests not yet answered
+        self._quiet = asyncio.Event()  # set while _active is 0
+        self._quiet.set()
+        self._monitor: asyncio.Task | None = None
+
+    def _attach_runner(self, slot: ModelSlot) -> None:
+        """Load hook: the batcher and one executor thread per execution context."""
+        executors = [self._executor(ctx, f"{slot.name}-ctx{i}") for i, ctx in enumerate(slot.loaded.contexts)]
+        slot.runner = ModelRunner(slot.cfg, slot.loaded.signature, executors,
+                                  self.metrics.for_model(slot.name, slot.version), slot.stats)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Load what the strategy loads at start, then report ready.
+
+        Raises:
+            ConfigError: an eager model failed to load.
+        """
+        await self.repository.start()
+        self._monitor = asyncio.create_task(self._watch_throughput(), name="throughput-monitor")
+        self.ready = True
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking requests (readiness false, new requests 503) and wait until every accepted request has been
+        answered, at most ``grace_s`` seconds. A request is accepted once its handler started (its headers
+        arrived), even if its body is still on the way."""
+        self.ready = False
+        try:
+            await asyncio.wait_for(self._quiet.wait(), grace_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        """Stop every model; queued requests get 503, running batches finish, memory is released."""
+        self.ready = False
+        if self._monitor is not None:
+            self._monitor.cancel()
+            try:
+                await self._monitor
+            except asyncio.CancelledError:
+                pass
+            self._monitor = None
+        await self.repository.close()
+
+    async def _watch_throughput(self, tick_s: float = 1.0) -> None:
+        """Every ``tick_s``: per-model throughput and the live retention ratio (:mod:`batcher.retention`)."""
+        tracker = ThroughputTracker()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick_s)
+            counts = {(s.name, s.version): s.stats.success.count for s in self.repository.all()}
+            rps, ratio = tracker.tick(loop.time(), counts)
+            for (name, version), r in rps.items():
+                self.metrics.throughput.labels(name, version).set(r)
+            self.metrics.retention.set(float("nan") if ratio is None else ratio)
+
+    # ---------------------------------------------------------------- inference
+    async def infer(self, model: str, version: str | None, received: float,
+                    read: Callable[[], Awaitable[InferRequest]],
+                    deliver: Callable[[InferResponse], Awaitable[T]]) -> T:
+        """One inference request, from routing to its delivered answer, counted once (module docstring).
+
+        Args:
+            received: event-loop time the request arrived (its deadline and batch window count from here).
+            read: gives the decoded request (the transport reads and decodes its body); may raise
+                InvalidInput/RequestTimeout/PayloadTooLarge.
+            deliver: turns the answer into the transport's (encodes it); what it returns is returned.
+
+        Raises:
+            ModelNotFound (404, before anything is read); every BatcherError of the request's outcome.
+        """
+        target = self.repository.slot(model, version)
+        if not self.ready:
+            self._count(target, "rejected", received)
+            raise Unavailable("server is not ready" if self._monitor is None else "server is shutting down")
+        owner = target
+        self._active += 1
+        self._quiet.clear()
+        loop = asyncio.get_running_loop()
+        try:
+            request = await read()
+            deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
+            owner = slot = await self.router.acquire(target, deadline)
+            try:
+                rows = slot.signature.check(slot.name, request.inputs)
+                slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
+                outputs = await slot.runner.infer(request.inputs, rows=rows, received=received, deadline=deadline,
+                                             priority=request.priority)
+            finally:
+                self.router.release(slot)
+            answer = await deliver(InferResponse(slot.name, slot.version, outputs, request))
+            if deadline is not None and loop.time() > deadline:  # ready too late: no answer after a deadline
+                raise DeadlineExceeded(f"model '{slot.name}': the answer was ready after the request's deadline")
+        except BatcherError as exc:
+            self._count(owner, exc.reason, received)
+            raise
+        except asyncio.CancelledError:
+            self._count(owner, "canceled", received)
+            raise
+        except Exception:
+            self._count(owner, "other", received)
+            raise
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._quiet.set()
+        self._count(owner, None, received)
+        return answer
+
+    def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:
+        """The one place an inference outcome is counted: ``reason`` None is a success."""
+        elapsed = asyncio.get_running_loop().time() - received
+        m = self.metrics
+        if reason is None:
+            m.success.labels(slot.name, slot.version).inc()
+            m.request_duration.labels(slot.name, slot.version).observe(elapsed)
+            slot.stats.success.add(elapsed)
+            slot.stats.last_inference_ms = int(time.time() * 1e3)
+        else:
+            m.failure.labels(slot.name, slot.version, reason).inc()
+            slot.stats.fail.add(elapsed)
+
+    # ---------------------------------------------------------------- metadata
+    def model_ready(self, model: str, version: str | None = None) -> bool:
+        """Whether the model version is servable now (Kubernetes/KServe per-model probes).
+
+        Rule: the server is ready, and the version is READY - or, under ``lazy``/``lru``, it would be loaded by
+        its next request (not unloaded through the repository API, last load not failed).
+
+        Raises:
+            ModelNotFound: unknown model or version.
+        """
+        slot = self.repository.slot(model, version)
+        if not self.ready:
+            return False
+        if slot.state == READY:
+            return True
+        return self.repository.strategy != "eager" and not slot.sticky_unloaded and not slot.failed
+
+    async def signature(self, model: str, version: str | None = None) -> tuple[ModelSlot, ModelSignature]:
+        """The slot and its served signature; a model never loaded yet is loaded (lazy/lru) to learn it.
+
+        Raises:
+            ModelNotFound (404); Unavailable (503: it cannot be loaded now).
+        """
+        slot = self.repository.slot(model, version)
+        if slot.signature is None:
+            pinned = await self.router.acquire(slot, allow_fallback=False)
+            self.router.release(pinned)
+        if slot.signature is None:
+            raise Unavailable(f"model '{slot.name}' is not loaded: {slot.reason}")
+        return slot, slot.signature
+
+    async def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
+        """KServe v2 model metadata: name, versions, platform, inputs and outputs with their served shapes."""
+        slot, sig = await self.signature(model, version)
+
+        def tensors(specs):
+            return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
+
+        return {"name": slot.name, "versions": self.repository.served_versions(slot.name),
+                "platform": PLATFORMS[slot.cfg.backend], "inputs": tensors(sig.inputs), "outputs": tensors(sig.outputs)}
+
+    async def model_config(self, model: str, version: str | None = None) -> dict[str, Any]:
+        """The model's configuration as Triton's model-config JSON (:mod:`batcher.triton_config`)."""
+        slot, sig = await self.signature(model, version)
+        return model_config_json(slot.cfg, sig)
+
+    def statistics(self, model: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension for every served version, one model's, or one version's.
+
+        Raises:
+            ModelNotFound: unknown model or version.
+        """
+        repo = self.repository
+        if model is None:
+            slots = [s for s in repo.all() if s.selected]
+        elif version is None:
+            slots = [repo.slots[repo.slot(model).name][v] for v in repo.served_versions(model)]
+        else:
+            slots = [repo.slot(model, version)]
+        return {"model_stats": [s.stats.json(s.name, s.version) for s in slots]}
+
+    # ---------------------------------------------------------------- repository extension
+    def repository_slots(self, model: str) -> list[ModelSlot]:
+        """Every served version of ``model``. Raises ModelNotFound."""
+        if model not in self.repository.slots:
+            raise ModelNotFound(f"unknown model '{model}'; models: {sorted(self.repository.slots)}")
+        return [s for s in self.repository.slots[model].values() if s.selected]
+
+    async def load(self, model: str) -> None:
+        """Load every served version of ``model``. Raises ModelNotFound; InvalidInput when it fails to load."""
+        for slot in self.repository_slots(model):
+            try:
+                await self.repository.load(slot)
+            except ConfigError as exc:
+                raise InvalidInput(f"model '{slot.name}' failed to load: {exc}") from None
+
+    async def unload(self, model: str) -> None:
+        """Unload every served version of ``model`` (requests in flight finish first). Raises ModelNotFound."""
+        for slot in self.repository_slots(model):
+            await self.repository.unload(slot)

@@ -1,0 +1,110 @@
+"""Executors: the thread that owns one execution context, and what it does with one batch.
+
+:func:`execute_batch` runs in the context's own thread (never on the event loop): it drops requests that would
+finish after their deadline, stacks the rest (into the context's pinned staging buffer where it has one), runs
+the engine once and splits the outputs back into per-request views. It never raises: every request of the batch
+gets an outcome, outputs or a :class:`~batcher.errors.BatcherError`.
+
+:class:`ThreadExecutor` is the production hand-off: one single-thread pool per context, so a context is used by
+one thread at a time as the engine contract requires. The scheduler only needs ``submit(fn, *args) -> awaitable``
+and ``close()``, so tests can hand it an executor that runs batches inline on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engines.base import EngineError, EngineUnavailable, ExecutionContext
+
+from .batching import Pending, split_outputs, stack_inputs
+from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, Unavailable
+
+
+@dataclass
+class BatchResult:
+    """What one batch came to.
+
+    Attributes:
+        outcomes: per request, in batch order: its outputs (dict of views) or the BatcherError to answer with.
+        times: seconds spent stacking inputs, executing, splitting outputs (0.0 each when nothing ran).
+        rows: rows executed (requests dropped before execution excluded).
+    """
+
+    outcomes: list[dict | BatcherError]
+    times: tuple[float, float, float]
+    rows: int
+
+
+def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
+                  now: Callable[[], float] = time.monotonic) -> BatchResult:
+    """Run one batch on ``ctx`` (blocking; call it from the context's thread).
+
+    Args:
+        batch: the requests, their inputs validated and of one shape key.
+        model: the model's name, for messages.
+        batch_s: the estimated seconds of this batch (None before the first batch): a request whose deadline falls
+            before the batch would finish is not run (its answer would be a 504 anyway), so the work goes to
+            requests that can still make it.
+        now: the clock deadlines are measured on (the event loop's, ``time.monotonic``).
+    """
+    finish = now() + (batch_s or 0.0)
+    results: dict[int, Any] = {}
+    live = []
+    for p in batch:
+        if p.deadline is not None and finish >= p.deadline:
+            results[id(p)] = DeadlineExceeded(
+                f"model '{model}': deadline expired, or would before execution finished; not executed")
+        else:
+            live.append(p)
+    rows = sum(p.rows for p in live)
+    t0 = t1 = t2 = t3 = 0.0
+    if live:
+        t0 = time.perf_counter()
+        try:
+            stacked = stack_inputs(live, ctx.host_buffer)
+            t1 = time.perf_counter()
+            outputs = ctx.execute(stacked)
+            t2 = time.perf_counter()
+            parts: list = split_outputs(outputs, [p.rows for p in live])
+        except EngineUnavailable as exc:  # e.g. the worker process died with the batch; the next one restarts it
+            parts = [Unavailable(f"model '{model}': {exc}", retry_after_s=1)] * len(live)
+            t1 = t2 = t1 or time.perf_counter()
+        except (EngineError, ValueError) as exc:
+            parts = [ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")] * len(live)
+            t1 = t2 = t1 or time.perf_counter()
+        t3 = time.perf_counter()
+        for p, part in zip(live, parts):
+            results[id(p)] = part
+    return BatchResult([results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows)
+
+
+class Executor(Protocol):
+    """How the scheduler hands a batch to the owner of one execution context."""
+
+    context: ExecutionContext
+
+    def submit(self, fn: Callable[..., BatchResult], *args: Any) -> Awaitable[BatchResult]:
+        """Run ``fn(context, *args)`` where the context lives; the awaitable gives its result."""
+
+    def close(self) -> None:
+        """Wait for the running call, then release the context."""
+
+
+class ThreadExecutor:
+    """One execution context and the single thread that uses it (engine contexts are not thread-safe)."""
+
+    def __init__(self, context: ExecutionContext, name: str) -> None:
+        self.context = context
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, self.context, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.context.release()

@@ -1,0 +1,187 @@
+"""Opening one model: the backend factory, loading and warming up its contexts, and measuring its memory.
+
+Blocking code, called from a worker thread by :mod:`batcher.repository`. The factory lives on the batcher side
+because it reads the batcher's config; ``engines/`` never imports ``batcher/``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engines.base import Engine, EngineError, ExecutionContext
+from engines.datatypes import NUMPY_DTYPES
+from engines.memory import rss_bytes
+from engines.zoo import ZooError, resolve
+
+from .config import ModelConfig
+from .errors import ConfigError
+from .signature import ModelSignature
+
+#: dynamic dims of warm-up inputs where the config gives no ``warmup_dims``.
+WARMUP_DIM = 32
+
+
+@dataclass
+class Loaded:
+    """A loaded model: its engine, one context per instance (in ``cfg.placements`` order) and what loading cost.
+
+    Attributes:
+        load_seconds: wall time of :func:`load_model`.
+        measured_bytes: memory growth measured across the load (resident memory on CPU, device memory on CUDA).
+    """
+
+    engine: Engine
+    contexts: list[ExecutionContext]
+    signature: ModelSignature
+    load_seconds: float
+    measured_bytes: int = 0
+
+    @property
+    def footprint_bytes(self) -> int:
+        """The seed's formula from the backend's report: engine bytes + context bytes x instances."""
+        return self.engine.nbytes + sum(c.nbytes for c in self.contexts)
+
+    def release(self) -> None:
+        """Release the contexts, then the engine (idempotent)."""
+        _release(self.engine, self.contexts)
+
+
+def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) -> dict[str, np.ndarray]:
+    """Zero inputs of ``rows`` rows (BYTES: empty strings); dynamic dims take ``warmup_dims`` from the config,
+    else :data:`WARMUP_DIM`."""
+    declared = {i.name: i.warmup_dims for i in cfg.inputs}
+    out = {}
+    for spec in signature.inputs:
+        wd = declared.get(spec.name)
+        dims = [d if d != -1 else (wd[k] if wd and k < len(wd) else WARMUP_DIM) for k, d in enumerate(spec.shape[1:])]
+        dtype = NUMPY_DTYPES[spec.datatype]
+        out[spec.name] = (np.full((rows, *dims), b"", dtype=object) if spec.datatype == "BYTES"
+                          else np.zeros((rows, *dims), dtype=dtype))
+    return out
+
+
+def warmup_batch_sizes(cfg: ModelConfig, max_batch_size: int) -> list[int]:
+    """The config's ``warmup_batch_sizes`` (capped at ``max_batch_size``), else 1..max on CUDA and [1] on CPU."""
+    if cfg.warmup_batch_sizes is not None:
+        return sorted({min(b, max_batch_size) for b in cfg.warmup_batch_sizes})
+    if cfg.device == "cuda":
+        return list(range(1, max_batch_size + 1))
+    return [1]
+
+
+def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | None = None) -> Loaded:
+    """Load one model: resolve its path, open the engine, create one context per instance, warm each up.
+
+    Blocking; call it from a worker thread.
+
+    Args:
+        where: the model's place in the config (``models[2]``), for messages.
+        on_restart: called when a worker process of the model (``mode: multiproc``) is replaced after a crash.
+
+    Raises:
+        ConfigError: bad path, engine limits contradicted by the config, or the model failing to load or to run
+            its warm-up batches (the message names ``where``).
+    """
+    t0 = time.perf_counter()
+    before = memory_now(cfg)
+    try:
+        path = resolve(cfg.path)
+    except ZooError as exc:
+        raise ConfigError(f"{where}.path: {exc}") from None
+    if not path.is_file():
+        raise ConfigError(f"{where}.path: {str(path)!r} is not a file")
+    contexts: list[ExecutionContext] = []
+    engine: Engine | None = None
+    try:
+        engine = open_engine(cfg, path, on_restart)
+        signature = ModelSignature.build(engine, cfg, where)
+        sizes = warmup_batch_sizes(cfg, signature.max_batch_size)
+        for _ in range(cfg.instances):
+            ctx = engine.create_context()
+            contexts.append(ctx)
+            for rows in sizes:
+                ctx.execute(warmup_inputs(signature, cfg, rows))
+    except EngineError as exc:
+        _release(engine, contexts)
+        raise ConfigError(f"{where}: model {cfg.name!r} failed to load: {exc}") from None
+    except BaseException:
+        _release(engine, contexts)
+        raise
+    return Loaded(engine, contexts, signature, time.perf_counter() - t0, max(0, memory_now(cfg) - before))
+
+
+def memory_now(cfg: ModelConfig) -> int:
+    """Resident memory (CPU) or used device memory (CUDA) of this process now, bytes."""
+    if cfg.device == "cuda":
+        try:
+            from engines.cuda import mem_get_info
+
+            free, total = mem_get_info()
+            return total - free
+        except EngineError:
+            return 0
+    return rss_bytes()
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``), so unloads show in resident memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | None = None) -> Engine:
+    """Open ``path`` with the config's backend; an .onnx file for ``tensorrt`` is built into a cached plan first.
+
+    Raises:
+        EngineError: the backend is not installed, the file cannot be loaded, or the build fails.
+    """
+    if cfg.backend == "onnxruntime":
+        options = {"device": cfg.device, "intra_op_threads": cfg.intra_op_threads}
+        if cfg.mode == "multiproc":
+            from engines.multiproc import MultiprocEngine
+
+            return MultiprocEngine(path, on_restart=on_restart, **options)
+        from engines.onnxruntime import OnnxRuntimeEngine
+
+        return OnnxRuntimeEngine(path, **options)
+    from engines.tensorrt import TensorRTEngine
+
+    if path.suffix == ".onnx":
+        path = _build_plan(cfg, path)
+    return TensorRTEngine(path, runtime=cfg.runtime)
+
+
+def _build_plan(cfg: ModelConfig, path: Path) -> Path:
+    from engines.trt_build import BuildOptions, cached_build
+    from engines.zoo import cache_dir
+
+    if cfg.build is None:
+        raise EngineError("an .onnx path with backend tensorrt needs a build block (profiles, precision)")
+    b = cfg.build
+    options = BuildOptions(
+        profiles=[{name: (tuple(p.min), tuple(p.opt), tuple(p.max)) for name, p in prof.items()}
+                  for prof in b.profiles],
+        precision=b.precision,
+        workspace_mb=b.workspace_mb,
+        version_compatible=b.version_compatible,
+        hardware_compatibility=b.hardware_compatibility,
+        calibration_dir=Path(b.calibration_dir) if b.calibration_dir else None,
+    )
+    return cached_build(path, options, cache_dir() / "plans")
+
+
+def _release(engine: Engine | None, contexts: list[ExecutionContext]) -> None:
+    for ctx in contexts:
+        ctx.release()
+    if engine is not None:
+        engine.release()

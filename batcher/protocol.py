@@ -1,0 +1,56 @@
+"""The KServe v2 inference request and response as the data plane sees them: named numpy tensors and the
+request's options, independent of the wire format (:mod:`batcher.codec` reads and writes the HTTP forms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    """An output the client asked for; ``binary`` is None when the client did not say."""
+
+    name: str
+    binary: bool | None = None
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request.
+
+    Attributes:
+        inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``).
+        outputs: requested outputs in order; None means every output of the model.
+        binary_output: the request-level ``binary_data_output`` default.
+        timeout_us: Triton's ``parameters.timeout`` (microseconds), if given; 0 means "no timeout of its own"
+            (the model's default timeout applies), as in Triton.
+        priority: Triton's ``parameters.priority``: 1 is the highest level; None (or 0) means the model's default
+            level.
+    """
+
+    inputs: dict[str, np.ndarray]
+    id: str | None = None
+    outputs: list[RequestedOutput] | None = None
+    binary_output: bool = False
+    timeout_us: int | None = None
+    priority: int | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferResponse:
+    """One request's answer before encoding: the model that ran it and its rows of every output.
+
+    Attributes:
+        outputs: output name -> array (first dim: the request's rows); views into the batch's outputs.
+        request: the request answered (its id, requested outputs and binary flags).
+    """
+
+    model_name: str
+    model_version: str
+    outputs: dict[str, np.ndarray]
+    request: InferRequest

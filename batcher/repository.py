@@ -1,0 +1,348 @@
+"""Models by name and version: Triton's model states, versions, routing, load strategies and the memory budget.
+
+* ``eager``: every served version is loaded and warmed at start.
+* ``lazy``: a model is loaded by the first request that needs it (concurrent requests share that load).
+* ``lru``: lazy, and before a load idle models are unloaded until the newcomer fits ``memory_budget_mb``
+  (:mod:`batcher.lru` says which). A model with requests in flight, queued or waiting for its load is pinned.
+
+What a model counts against the budget is the seed's formula, engine + contexts, as measured while it first
+loaded (resident memory on CPU, device memory on CUDA, at least its weights once per instance); before its first
+load ``(1 + 2 x instances) x`` its file size plus 32 MiB, or the config's ``memory_mb``. After each load the
+measured figure replaces the estimate and the budget is enforced again.
+
+Loads and unloads run one at a time (a lock), the blocking part in a worker thread, so the event loop keeps
+serving and memory measurements do not blur into each other. What serves a loaded model is attached by load
+hooks (:attr:`ModelRepository.on_load`, after MLServer's ``on_model_load``): the data plane attaches its batcher
+(:class:`~batcher.scheduler.ModelRunner`), the HTTP side warms its codec. The repository itself knows no wire
+format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from engines.memory import rss_bytes
+from engines.zoo import ZooError, resolve
+
+from .config import Config, ModelConfig
+from .errors import BatcherError, ConfigError, ModelNotFound, Unavailable
+from .events import LifecycleEvents
+from .loader import Loaded, load_model, trim_heap
+from .lru import Candidate, MemoryBudget, NoRoom
+from .metrics import Metrics
+from .scheduler import ModelRunner
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: Triton's model states (repository extension).
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+
+
+class ModelSlot:
+    """One configured model version: its state, what serves it while loaded, its statistics and memory figures."""
+
+    def __init__(self, cfg: ModelConfig, where: str, selected: bool) -> None:
+        self.cfg = cfg
+        self.where = where  # its place in the config, for messages
+        self.name = cfg.name
+        self.version = str(cfg.version)
+        self.selected = selected  # chosen by the name's version policy
+        self.state = UNAVAILABLE
+        self.reason = "not loaded" if selected else "not selected by the version policy"
+        self.failed = False  # the last load failed
+        self.loaded: Loaded | None = None
+        self.runner: ModelRunner | None = None  # attached by a load hook
+        self.stats = Stats()  # Triton's statistics over every load of this slot
+        self.inflight = 0  # requests between acquire and release: a pinned model is never evicted
+        self.waiting = 0  # requests waiting for this model's load: it is pinned for them too
+        self.last_used = 0.0
+        self.task: asyncio.Future | None = None  # the load or unload in progress
+        self.measured_bytes: int | None = None  # growth measured at the first load (at least the weights)
+        self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
+        self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
+
+    @property
+    def signature(self):
+        return self.loaded.signature if self.loaded is not None else None
+
+    @property
+    def loaded_or_unloading(self) -> bool:
+        return self.state in (READY, UNLOADING)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.inflight or self.waiting or (self.runner is not None and self.runner.queue_depth))
+
+    @property
+    def budget_bytes(self) -> int:
+        """What this model counts against the memory budget: measured at load, else the pre-load estimate."""
+        if self.measured_bytes is not None:
+            return self.measured_bytes
+        if self.cfg.memory_mb is not None:
+            return int(self.cfg.memory_mb * MiB)
+        try:
+            size = resolve(self.cfg.path).stat().st_size
+        except (ZooError, OSError):
+            size = 0
+        return (1 + 2 * self.cfg.instances) * size + 32 * MiB
+
+
+def _selected_versions(cfgs: list[ModelConfig]) -> set[int]:
+    policy = max(cfgs, key=lambda c: c.version).version_policy
+    versions = sorted(c.version for c in cfgs)
+    if policy == "all":
+        return set(versions)
+    if hasattr(policy, "latest"):
+        return set(versions[-policy.latest:])
+    return set(policy.specific) & set(versions)
+
+
+class ModelRepository:
+    """Every configured model version (:class:`ModelSlot`), the load strategy and the memory budget."""
+
+    def __init__(self, config: Config, metrics: Metrics,
+                 loader: Callable[[ModelConfig, str, Callable[[], None]], Loaded] = load_model) -> None:
+        """``loader`` loads one model (blocking, in a worker thread): :func:`batcher.loader.load_model`; tests
+        pass a stand-in."""
+        self.config = config
+        self._loader = loader
+        self.strategy = config.server.load_strategy
+        mb = config.server.memory_budget_mb
+        self.budget = MemoryBudget(int(mb * MiB)) if mb is not None else None
+        by_name: dict[str, list[ModelConfig]] = collections.defaultdict(list)
+        for cfg in config.models:
+            by_name[cfg.name].append(cfg)
+        self.slots: dict[str, dict[str, ModelSlot]] = {}
+        for i, cfg in enumerate(config.models):
+            selected = cfg.version in _selected_versions(by_name[cfg.name])
+            self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
+        #: called on the event loop after a model loaded, before it turns READY (may raise to fail the load).
+        self.on_load: list[Callable[[ModelSlot], None]] = []
+        self.lifecycle = LifecycleEvents(metrics)
+        self._restarts = metrics.worker_restart
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._closed = False
+        if self.budget is not None:
+            metrics.memory_budget.set(self.budget.budget_bytes)
+        self._update_memory()
+
+    def all(self) -> list[ModelSlot]:
+        return [s for versions in self.slots.values() for s in versions.values()]
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes counted against the budget by the loaded models (READY, or UNLOADING until freed); a model being
+        loaded has its room reserved and counts once READY."""
+        return sum(s.budget_bytes for s in self.all() if s.loaded_or_unloading)
+
+    # ---------------------------------------------------------------- lookup and routing
+    def slot(self, name: str, version: str | None = None) -> ModelSlot:
+        """The slot a request for ``name``/``version`` goes to (``routing.version_mismatch`` applies).
+
+        Raises:
+            ModelNotFound: unknown model (404), or a version that is not served under ``version_mismatch: reject``.
+        """
+        versions = self.slots.get(name)
+        if not versions:
+            raise ModelNotFound(f"unknown model '{name}'; models: {sorted(self.slots)}")
+        served = self.served_versions(name)
+        if version is not None:
+            s = versions.get(version)
+            if s is not None and s.selected:
+                return s
+            if self.config.routing.version_mismatch == "reject" or not served:
+                raise ModelNotFound(f"model '{name}' has no version '{version}'; versions: {served}")
+        if not served:
+            raise ModelNotFound(f"model '{name}' has no served version (version policy)")
+        return versions[served[-1]]
+
+    def served_versions(self, name: str) -> list[str]:
+        """The versions of ``name`` its version policy serves, lowest first."""
+        return sorted((v for v, s in self.slots[name].items() if s.selected), key=int)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Eager: load every selected version (models loaded before a failure are released).
+
+        Raises:
+            ConfigError: an eager model failed to load.
+        """
+        if self.strategy != "eager":
+            return
+        try:
+            for slot in self.all():
+                if slot.selected:
+                    await self.load(slot)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Stop every model: queued requests get 503, running batches finish, memory is released."""
+        self._closed = True
+        slots = [s for s in self.all() if s.runner is not None or s.loaded is not None]
+        await asyncio.gather(*(self._stop(s) for s in slots))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start_load(self, slot: ModelSlot) -> None:
+        """Start loading an UNAVAILABLE ``slot`` (state LOADING; ``slot.task`` is the load)."""
+        slot.state, slot.reason = LOADING, "loading"
+        slot.task = asyncio.create_task(self._load(slot), name=f"load-{slot.name}-{slot.version}")
+        slot.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
+
+    async def load(self, slot: ModelSlot) -> None:
+        """Load ``slot`` now (repository API, eager start); returns when it is READY.
+
+        Raises:
+            ConfigError: the model failed to load. Unavailable: it cannot fit the memory budget.
+        """
+        slot.sticky_unloaded = False
+        while slot.state == UNLOADING and slot.task is not None:
+            await asyncio.shield(slot.task)
+        if slot.state == READY:
+            return
+        if slot.state == UNAVAILABLE:
+            self.start_load(slot)
+        if slot.task is not None:
+            await asyncio.shield(slot.task)
+
+    async def _load(self, slot: ModelSlot) -> None:
+        try:
+            async with self._lock:
+                await self._make_room(slot)
+                rss0 = rss_bytes()
+                restarts = self._restarts.labels(slot.name, slot.version)
+                loaded = await asyncio.to_thread(self._loader, slot.cfg, slot.where, restarts.inc)
+                if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
+                    slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances)
+                slot.footprint_bytes = loaded.footprint_bytes
+                slot.loaded = loaded
+                try:
+                    for hook in self.on_load:
+                        hook(slot)
+                except BaseException:
+                    await self._stop(slot)
+                    raise
+                slot.state, slot.reason, slot.failed = READY, "", False
+                slot.last_used = asyncio.get_running_loop().time()
+                self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
+                if self.budget is not None and self.used_bytes > self.budget.budget_bytes:
+                    await self._refit(slot)  # measured above its estimate
+        except ConfigError as exc:
+            slot.state, slot.reason, slot.failed = UNAVAILABLE, f"load failed: {exc}", True
+            log.error("%s", exc)
+            raise
+        except Unavailable as exc:
+            if slot.state == LOADING:
+                slot.state, slot.reason = UNAVAILABLE, exc.message
+            raise
+        except BaseException:
+            if slot.state == LOADING:
+                slot.state, slot.reason = UNAVAILABLE, "load interrupted"
+            raise
+        finally:
+            slot.task = None
+            self._update_memory()
+
+    async def _refit(self, slot: ModelSlot) -> None:
+        """After a load measured above its estimate: make room for it, or give it back."""
+        try:
+            await self._make_room(slot)
+        except Unavailable:
+            await self._unload(slot, "over the memory budget after loading")
+            slot.state, slot.reason = UNAVAILABLE, (
+                f"needs {slot.budget_bytes / MiB:.0f} MB as measured at load; the memory budget "
+                f"{self.budget.budget_bytes / MiB:.0f} MB cannot hold it beside the models in use")
+            raise Unavailable(f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
+
+    async def _make_room(self, newcomer: ModelSlot) -> None:
+        """Evict what :mod:`batcher.lru` names so that ``newcomer`` fits (the caller holds the lock).
+
+        Raises:
+            Unavailable: the models that would have to go are pinned, or the newcomer alone exceeds the budget.
+        """
+        if self.budget is None:
+            return
+        others = [s for s in self.all() if s is not newcomer and s.loaded_or_unloading]
+        idle = [Candidate(s, s.budget_bytes, s.last_used) for s in others if s.state == READY and not s.pinned]
+        try:
+            victims = self.budget.victims(newcomer.name, newcomer.budget_bytes, sum(s.budget_bytes for s in others),
+                                          idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
+        except NoRoom as exc:
+            raise Unavailable(str(exc), retry_after_s=1) from None
+        for victim in victims:
+            await self._unload(victim, f"evicted (lru) to make room for {newcomer.name}", kind="evict")
+
+    async def unload(self, slot: ModelSlot) -> None:
+        """Unload through the repository API: new requests get 503, requests in flight finish first; the model
+        stays unloaded until loaded again explicitly."""
+        slot.sticky_unloaded = True
+        if slot.state == LOADING and slot.task is not None:
+            try:
+                await asyncio.shield(slot.task)
+            except (BatcherError, ConfigError):
+                return
+        if slot.state != READY:
+            return
+        async with self._lock:
+            if slot.state == READY:
+                await self._unload(slot, "unloaded by request", kind="unload")
+
+    async def _unload(self, slot: ModelSlot, reason: str, kind: str = "unload") -> None:
+        slot.state, slot.reason = UNLOADING, reason
+        done = asyncio.get_running_loop().create_future()
+        slot.task = done
+        try:
+            while slot.inflight > 0:  # requests already routed here finish first
+                await asyncio.sleep(0.005)
+            rss0, t0 = rss_bytes(), time.perf_counter()
+            await self._stop(slot)
+            await asyncio.to_thread(trim_heap)
+            slot.state, slot.reason = UNAVAILABLE, reason
+            self.lifecycle.record(kind, slot, time.perf_counter() - t0, rss0, self.used_bytes)
+        finally:
+            done.set_result(None)
+            slot.task = None
+            self._update_memory()
+
+    async def _stop(self, slot: ModelSlot) -> None:
+        """Close what serves ``slot`` and release its engine."""
+        runner, loaded = slot.runner, slot.loaded
+        slot.runner, slot.loaded = None, None
+        if slot.state == READY:
+            slot.state = UNAVAILABLE
+        if runner is not None:
+            await runner.close()
+        if loaded is not None:
+            await asyncio.to_thread(loaded.release)
+
+    # ---------------------------------------------------------------- observability
+    def _update_memory(self) -> None:
+        self.lifecycle.update_memory(self.all(), self.used_bytes)
+
+    def index(self, ready: bool | None = None) -> list[dict]:
+        """The repository index (Triton's form): every configured version with its state and reason; with
+        ``ready`` true only the READY ones (Triton's ``ready`` filter), false only the others."""
+        out = []
+        for s in self.all():
+            if ready is not None and (s.state == READY) != ready:
+                continue
+            entry = {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
+            pids = [getattr(c, "pid", None) for c in (s.loaded.contexts if s.loaded else ())]
+            if any(pids):
+                entry["worker_pids"] = pids
+            if s.measured_bytes is not None:
+                entry["measured_bytes"] = s.measured_bytes
+                entry["footprint_bytes"] = s.footprint_bytes
+            out.append(entry)
+        return out

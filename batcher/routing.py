@@ -1,0 +1,89 @@
+"""Routing a request to the model version that will run it, and pinning that version while it runs.
+
+:meth:`Router.acquire` finds the slot ready - loading it first under ``lazy``/``lru`` (``on_cold: wait`` waits
+within the request's deadline, ``reject`` answers 503 while the load runs) - or goes to the model's ``fallback``
+when the model is unavailable or its queue holds ``fallback_queue_depth`` requests. A pinned slot (requests
+between :meth:`~Router.acquire` and :meth:`~Router.release`, or waiting for its load) is never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .errors import ConfigError, DeadlineExceeded, Unavailable
+from .repository import READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Acquire and release model versions of one :class:`~batcher.repository.ModelRepository`."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    async def acquire(self, slot: ModelSlot, deadline: float | None = None, *, allow_fallback: bool = True
+                      ) -> ModelSlot:
+        """Pin the model a request for ``slot`` will run on; pair every call with :meth:`release`.
+
+        Args:
+            deadline: event-loop time by which a load waited for must be done.
+
+        Raises:
+            Unavailable: 503 + Retry-After - loading under ``on_cold: reject``, no room in the memory budget,
+                unloaded, load failed, shutting down. DeadlineExceeded: 504 - the load outlasted the deadline.
+        """
+        cfg = slot.cfg
+        if allow_fallback and cfg.fallback is not None:
+            fallback = self.repository.slot(cfg.fallback)
+            depth = slot.runner.queue_depth if slot.runner is not None else 0
+            if cfg.fallback_queue_depth is not None and depth >= cfg.fallback_queue_depth:
+                return await self.acquire(fallback, deadline, allow_fallback=False)
+            try:
+                return await self._ready(slot, deadline)
+            except Unavailable as exc:
+                log.debug("model %s unavailable (%s), routing to fallback %s", slot.name, exc.message, cfg.fallback)
+                return await self.acquire(fallback, deadline, allow_fallback=False)
+        return await self._ready(slot, deadline)
+
+    async def _ready(self, slot: ModelSlot, deadline: float | None) -> ModelSlot:
+        repo = self.repository
+        loop = asyncio.get_running_loop()
+        while True:
+            if slot.state == READY:
+                slot.inflight += 1
+                slot.last_used = loop.time()
+                return slot
+            if repo.closed:
+                raise Unavailable("server is shutting down")
+            if slot.state == UNLOADING and slot.task is not None:
+                await asyncio.shield(slot.task)
+                continue
+            if slot.state == UNAVAILABLE:
+                if repo.strategy == "eager" or slot.sticky_unloaded:
+                    raise Unavailable(f"model '{slot.name}' version {slot.version} is not loaded: {slot.reason}",
+                                      retry_after_s=5)
+                repo.start_load(slot)
+            task = slot.task
+            if task is None:  # finished between the checks
+                continue
+            if repo.config.server.on_cold == "reject":
+                raise Unavailable(f"model '{slot.name}' is loading; try again shortly", retry_after_s=1)
+            slot.waiting += 1
+            try:
+                await asyncio.wait_for(asyncio.shield(task), None if deadline is None else deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"model '{slot.name}': deadline expired while the model was loading") from None
+            except ConfigError as exc:
+                raise Unavailable(f"model '{slot.name}' failed to load: {exc}", retry_after_s=5) from None
+            finally:
+                slot.waiting -= 1
+            if slot.state != READY:
+                raise Unavailable(f"model '{slot.name}' version {slot.version} is not available: {slot.reason}",
+                                  retry_after_s=5)
+
+    def release(self, slot: ModelSlot) -> None:
+        """Unpin a model acquired with :meth:`acquire`."""
+        slot.inflight -= 1
+        slot.last_used = asyncio.get_running_loop().time()

@@ -1,0 +1,137 @@
+"""Stand-ins for the unit tier: an engine and contexts that compute ``y = 2 * x`` row by row, an executor that runs
+a batch on the event loop and lets it "take" virtual time, and a loader that needs no model file.
+
+With ``@pytest.mark.looptime`` the event loop's clock is virtual (the ``looptime`` plugin): ``asyncio.sleep``,
+timers and ``wait_for`` timeouts advance it exactly, so tests assert exact times with no wall-clock windows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from batcher.config import ModelConfig, parse_config
+from batcher.executor import BatchResult
+from batcher.loader import Loaded
+from batcher.signature import ModelSignature
+from engines.base import Engine, EngineError, ExecutionContext, TensorSpec
+
+MiB = 1 << 20
+
+
+class FakeContext(ExecutionContext):
+    """``y = 2 * x`` over input ``x`` (FP32 ``[N, 4]``); records every batch's row count; ``fail`` makes the
+    next execute raise ``fail``."""
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self.batches: list[int] = []
+        self.fail: Exception | None = None
+        self.released = False
+        self._nbytes = nbytes
+
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fail is not None:
+            exc, self.fail = self.fail, None
+            raise exc
+        x = inputs["x"]
+        self.batches.append(x.shape[0])
+        return {"y": x * 2}
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def release(self) -> None:
+        self.released = True
+
+
+class FakeEngine(Engine):
+    backend = "fake"
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self._inputs = (TensorSpec("x", "FP32", (-1, 4)),)
+        self._outputs = (TensorSpec("y", "FP32", (-1, 4)),)
+        self._nbytes = nbytes
+        self.released = False
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def create_context(self) -> FakeContext:
+        return FakeContext()
+
+    def release(self) -> None:
+        self.released = True
+
+
+class SleepExecutor:
+    """Runs a batch on the event loop at once (deadline checks, stacking, splitting: the real
+    :func:`~batcher.executor.execute_batch`), then holds its result for ``seconds_per_row`` x rows of loop time,
+    as if the engine took that long; the batch's compute time is reported as that duration."""
+
+    def __init__(self, context: ExecutionContext, name: str = "fake", seconds_per_row: float = 0.001) -> None:
+        self.context = context
+        self.seconds_per_row = seconds_per_row
+        self.closed = False
+
+    async def _run(self, fn, args) -> BatchResult:
+        result: BatchResult = fn(self.context, *args)
+        took = result.rows * self.seconds_per_row
+        await asyncio.sleep(took)
+        result.times = (0.0, took, 0.0)
+        return result
+
+    def submit(self, fn, *args: Any):
+        return asyncio.ensure_future(self._run(fn, args))
+
+    def close(self) -> None:
+        self.closed = True
+        self.context.release()
+
+
+def model_config(**kw: Any) -> ModelConfig:
+    """A ModelConfig for model ``m`` (path unused by the fakes) with ``kw`` as its keys."""
+    return parse_config({"models": [{"name": "m", "path": "unused.onnx", **kw}]}).models[0]
+
+
+def signature(max_batch_size: int = 8) -> ModelSignature:
+    spec_in, spec_out = TensorSpec("x", "FP32", (-1, 4)), TensorSpec("y", "FP32", (-1, 4))
+    return ModelSignature((spec_in,), (spec_out,), max_batch_size)
+
+
+def rows(n: int, value: float = 1.0) -> dict[str, np.ndarray]:
+    return {"x": np.full((n, 4), value, np.float32)}
+
+
+class FakeLoader:
+    """``load_model`` without a model file: each model counts ``sizes_mb[name]`` MB; ``fail`` names models whose
+    load raises ConfigError; ``loads`` records the names loaded, in order."""
+
+    def __init__(self, sizes_mb: dict[str, float] | None = None, fail: set[str] = frozenset()) -> None:
+        self.sizes_mb = sizes_mb or {}
+        self.fail = set(fail)
+        self.loads: list[str] = []
+
+    def __call__(self, cfg: ModelConfig, where: str, on_restart=None) -> Loaded:
+        from batcher.errors import ConfigError
+
+        self.loads.append(cfg.name)
+        if cfg.name in self.fail:
+            raise ConfigError(f"{where}: model {cfg.name!r} failed to load: broken on purpose")
+        nbytes = int(self.sizes_mb.get(cfg.name, 10) * MiB)
+        engine = FakeEngine()
+        contexts = [engine.create_context() for _ in range(cfg.instances)]
+        sig = ModelSignature.build(engine, cfg, where)
+        return Loaded(engine, contexts, sig, load_seconds=0.0, measured_bytes=nbytes)
+
+
+class BrokenEngineError(EngineError):
+    pass

@@ -1,0 +1,204 @@
+"""The model repository and its router in-process: Triton states, load strategies, the LRU budget, pinning, versions, fallback.
+
+Models are loaded by :class:`fakes.FakeLoader` (no file; each counts a chosen number of MB), on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import MiB, FakeLoader
+
+from batcher.config import parse_config
+from batcher.errors import ConfigError, ModelNotFound, Unavailable
+from batcher.lru import Candidate, NoRoom, choose_victims
+from batcher.metrics import Metrics
+from batcher.repository import LOADING, READY, UNAVAILABLE, ModelRepository
+from batcher.routing import Router
+
+pytestmark = pytest.mark.looptime
+
+
+class Repo(ModelRepository):
+    """The repository with its router's acquire/release, as the data plane uses them."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.router = Router(self)
+        self.acquire, self.release = self.router.acquire, self.router.release
+
+
+def repo(models: list[dict], loader: FakeLoader | None = None, **server) -> tuple[Repo, FakeLoader]:
+    loader = loader or FakeLoader()
+    config = parse_config({"server": server, "models": [{"path": "unused.onnx", **m} for m in models]})
+    return Repo(config, Metrics(), loader=loader), loader
+
+
+def states(r: ModelRepository) -> dict[str, str]:
+    return {f"{s.name}:{s.version}": s.state for s in r.all()}
+
+
+async def test_eager_loads_every_served_version_at_start():
+    r, loader = repo([{"name": "a"}, {"name": "b"}])
+    await r.start()
+    assert states(r) == {"a:1": READY, "b:1": READY} and loader.loads == ["a", "b"]
+    assert [e["event"] for e in r.lifecycle.events] == ["load", "load"]
+    await r.close()
+    assert states(r) == {"a:1": UNAVAILABLE, "b:1": UNAVAILABLE}
+
+
+async def test_eager_start_fails_on_a_broken_model_and_releases_the_others():
+    r, _ = repo([{"name": "a"}, {"name": "b"}], FakeLoader(fail={"b"}))
+    with pytest.raises(ConfigError, match="broken on purpose"):
+        await r.start()
+    assert r.slot("a").loaded is None and r.slot("b").failed
+
+
+async def test_lazy_loads_on_first_use_and_concurrent_requests_share_one_load():
+    r, loader = repo([{"name": "a"}], load_strategy="lazy")
+    await r.start()
+    slot = r.slot("a")
+    assert slot.state == UNAVAILABLE
+    got = await asyncio.gather(*(r.acquire(slot) for _ in range(5)))
+    assert loader.loads == ["a"] and all(s is slot for s in got) and slot.inflight == 5
+    for s in got:
+        r.release(s)
+    await r.close()
+
+
+async def test_on_cold_reject_answers_503_while_the_load_runs():
+    r, _ = repo([{"name": "a"}], load_strategy="lazy", on_cold="reject")
+    with pytest.raises(Unavailable, match="is loading"):
+        await r.acquire(r.slot("a"))
+    assert r.slot("a").state == LOADING
+    await asyncio.sleep(0.1)
+    assert r.slot("a").state == READY
+    await r.close()
+
+
+async def test_lru_evicts_the_least_recently_used_idle_model_to_stay_within_budget():
+    r, _ = repo([{"name": n} for n in "abc"], FakeLoader({"a": 40, "b": 40, "c": 40}),
+                load_strategy="lru", memory_budget_mb=100)
+    for name in "abc":
+        r.release(await r.acquire(r.slot(name)))
+        await asyncio.sleep(1)
+        assert r.used_bytes <= 100 * MiB
+    assert states(r) == {"a:1": UNAVAILABLE, "b:1": READY, "c:1": READY}
+    assert [(e["event"], e["model"]) for e in r.lifecycle.events] == [
+        ("load", "a"), ("load", "b"), ("evict", "a"), ("load", "c")]
+    await r.close()
+
+
+async def test_lru_evicts_one_large_model_where_plain_lru_would_evict_two():
+    """Issue 11: small a (20 MB) and b (20 MB) are older than big c (60 MB); d needs 60 MB in a 110 MB budget.
+    Plain LRU would evict a and b (40 MB, not enough) and then c; the size-aware rule evicts c alone."""
+    r, _ = repo([{"name": n} for n in "abcd"], FakeLoader({"a": 20, "b": 20, "c": 60, "d": 60}),
+                load_strategy="lru", memory_budget_mb=110)
+    for name in "abc":
+        r.release(await r.acquire(r.slot(name)))
+        await asyncio.sleep(1)
+    r.release(await r.acquire(r.slot("d")))
+    assert states(r) == {"a:1": READY, "b:1": READY, "c:1": UNAVAILABLE, "d:1": READY}
+    assert [e["model"] for e in r.lifecycle.events if e["event"] == "evict"] == ["c"]
+    await r.close()
+
+
+def test_victim_choice_rule():
+    cands = [Candidate("a", 20, 1.0), Candidate("b", 20, 2.0), Candidate("c", 60, 3.0), Candidate("e", 70, 4.0)]
+    assert choose_victims(cands, 0) == []
+    assert choose_victims(cands, 50) == ["c"]  # least recently used of those big enough alone
+    assert choose_victims(cands, 15) == ["a"]
+    assert choose_victims(cands[:2], 30) == ["a", "b"]  # none alone: LRU order until enough
+    with pytest.raises(NoRoom):
+        choose_victims(cands[:2], 50)
+
+
+async def test_a_model_in_use_is_never_evicted_and_the_newcomer_gets_503_naming_the_budget():
+    r, _ = repo([{"name": "a"}, {"name": "b", "memory_mb": 60}], FakeLoader({"a": 60, "b": 60}),
+                load_strategy="lru", memory_budget_mb=100)
+    held = await r.acquire(r.slot("a"))
+    with pytest.raises(Unavailable, match=r"memory budget 100 MB: model 'b' needs 60 MB.*'a \(60 MB\)'"):
+        await r.acquire(r.slot("b"))
+    assert states(r) == {"a:1": READY, "b:1": UNAVAILABLE}
+    r.release(held)
+    r.release(await r.acquire(r.slot("b")))  # now a is idle and goes
+    assert states(r) == {"a:1": UNAVAILABLE, "b:1": READY}
+    await r.close()
+
+
+async def test_a_load_measured_above_its_estimate_is_refitted_or_given_back():
+    r, _ = repo([{"name": "a"}, {"name": "b"}], FakeLoader({"a": 60, "b": 60}),
+                load_strategy="lru", memory_budget_mb=100)  # b is estimated at 32 MB before its first load
+    held = await r.acquire(r.slot("a"))
+    with pytest.raises(Unavailable, match="needs 60 MB as measured at load"):
+        await r.acquire(r.slot("b"))
+    assert states(r) == {"a:1": READY, "b:1": UNAVAILABLE} and r.used_bytes == 60 * MiB
+    r.release(held)
+    await r.close()
+
+
+async def test_requests_waiting_for_a_load_pin_the_model():
+    r, _ = repo([{"name": "a"}, {"name": "b"}], FakeLoader({"a": 60, "b": 60}),
+                load_strategy="lru", memory_budget_mb=100)
+    a_waiters = [asyncio.ensure_future(r.acquire(r.slot("a"))) for _ in range(3)]
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(r.acquire(r.slot("b")))
+    got = await asyncio.gather(*a_waiters, return_exceptions=True)
+    assert all(s is r.slot("a") for s in got)
+    with pytest.raises(Unavailable, match="memory budget"):
+        await b
+    for s in got:
+        r.release(s)
+    await r.close()
+
+
+async def test_a_model_larger_than_the_whole_budget_is_refused():
+    r, _ = repo([{"name": "a", "memory_mb": 500}], load_strategy="lru", memory_budget_mb=100)
+    with pytest.raises(Unavailable, match="more than the whole memory budget"):
+        await r.acquire(r.slot("a"))
+
+
+async def test_versions_policy_and_mismatch_rules():
+    models = [{"name": "m", "version": v} for v in (1, 2, 3)]
+    r, _ = repo([*models[:2], {**models[2], "version_policy": {"latest": 2}}])
+    assert r.served_versions("m") == ["2", "3"] and r.slot("m").version == "3"
+    assert r.slot("m", "2").version == "2"
+    with pytest.raises(ModelNotFound, match="has no version '1'"):
+        r.slot("m", "1")
+    with pytest.raises(ModelNotFound, match="unknown model 'zz'"):
+        r.slot("zz")
+    config = parse_config({"routing": {"version_mismatch": "fallback"},
+                           "models": [{"path": "unused.onnx", **m} for m in models[:2]]})
+    r2 = Repo(config, Metrics(), loader=FakeLoader())
+    assert r2.slot("m", "7").version == "2"
+
+
+async def test_unload_is_sticky_and_load_brings_it_back():
+    r, loader = repo([{"name": "a"}], load_strategy="lazy")
+    slot = r.slot("a")
+    r.release(await r.acquire(slot))
+    await r.unload(slot)
+    assert slot.state == UNAVAILABLE and slot.reason == "unloaded by request"
+    with pytest.raises(Unavailable, match="unloaded by request"):
+        await r.acquire(slot)
+    await r.load(slot)
+    assert slot.state == READY and loader.loads == ["a", "a"]
+    await r.close()
+
+
+async def test_fallback_takes_requests_when_the_model_cannot_load():
+    r, _ = repo([{"name": "a", "fallback": "b"}, {"name": "b"}], FakeLoader(fail={"a"}), load_strategy="lazy")
+    got = await r.acquire(r.slot("a"))
+    assert got is r.slot("b") and r.slot("a").failed
+    r.release(got)
+    await r.close()
+
+
+async def test_index_filters_by_readiness():
+    r, _ = repo([{"name": "a"}, {"name": "b"}], load_strategy="lazy")
+    r.release(await r.acquire(r.slot("a")))
+    assert [e["name"] for e in r.index(ready=True)] == ["a"]
+    assert [e["name"] for e in r.index(ready=False)] == ["b"]
+    assert [e["state"] for e in r.index()] == [READY, UNAVAILABLE]
+    await r.close()

@@ -1,0 +1,270 @@
+"""The batcher loop in-process: batch formation, the window, deadlines, priorities, admission, cancel, shutdown.
+
+A fake context computes ``y = 2 * x``; :class:`fakes.SleepExecutor` runs each batch on the event loop and lets it
+take ``seconds_per_row`` x rows of virtual time (``looptime``), so every time asserted here is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from fakes import FakeContext, SleepExecutor, model_config, rows, signature
+
+from batcher.errors import DeadlineExceeded, ExecutionFailed, Unavailable
+from batcher.metrics import Metrics
+from batcher.scheduler import ModelRunner
+from engines.base import EngineError, EngineUnavailable
+
+pytestmark = pytest.mark.looptime
+
+
+def runner(*, contexts: int = 1, seconds_per_row: float = 0.001, max_batch_size: int = 8, **batching):
+    cfg = model_config(max_batch_size=max_batch_size, dynamic_batching=batching)
+    ctxs = [FakeContext() for _ in range(contexts)]
+    execs = [SleepExecutor(c, seconds_per_row=seconds_per_row) for c in ctxs]
+    metrics = Metrics()
+    r = ModelRunner(cfg, signature(max_batch_size), execs, metrics.for_model("m", "1"))
+    return r, ctxs, execs, metrics
+
+
+def submit(r: ModelRunner, n: int = 1, *, value: float = 1.0, timeout_s: float | None = None,
+           priority: int | None = None) -> asyncio.Task:
+    now = asyncio.get_running_loop().time()
+    return asyncio.ensure_future(r.infer(rows(n, value), rows=n, received=now,
+                                         deadline=None if timeout_s is None else now + timeout_s, priority=priority))
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def test_outputs_go_back_to_their_requests_exactly():
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=1000)
+    tasks = [submit(r, n, value=float(i)) for i, n in enumerate([1, 3, 2])]
+    outs = await asyncio.gather(*tasks)
+    assert ctxs[0].batches == [6]
+    for i, (n, out) in enumerate(zip([1, 3, 2], outs)):
+        np.testing.assert_array_equal(out["y"], np.full((n, 4), 2.0 * i, np.float32))
+    await r.close()
+
+
+async def test_the_window_holds_the_first_request_for_others_as_triton_does():
+    """Issue 11: 10 ms window, one second idle, two requests 3 ms apart: one batch of two, sent at 10 ms."""
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=10_000)
+    await submit(r)  # some history, then a quiet second
+    await asyncio.sleep(1.0)
+    t0 = now()
+    first = submit(r)
+    await asyncio.sleep(0.003)
+    second = submit(r)
+    await asyncio.gather(first, second)
+    assert ctxs[0].batches == [1, 2]
+    assert now() - t0 == pytest.approx(0.010 + 2 * 0.001)  # window, then 2 rows of execution
+    await r.close()
+
+
+async def test_adaptive_queue_delay_runs_a_lone_request_at_once_at_low_load():
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=10_000, adaptive_queue_delay=True)
+    for _ in range(12):  # sparse arrivals: the average gap grows past two windows
+        await submit(r)
+        await asyncio.sleep(1.0)
+    t0 = now()
+    await submit(r)
+    assert now() - t0 == pytest.approx(0.001)  # no window: execution only
+    await r.close()
+
+
+async def test_a_batch_goes_at_max_batch_size_or_the_largest_preferred_size_without_waiting():
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=1_000_000, max_batch_size=4)
+    t0 = now()
+    await asyncio.gather(*(submit(r) for _ in range(4)))
+    assert ctxs[0].batches == [4] and now() - t0 == pytest.approx(0.004)
+    await r.close()
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=1_000_000, preferred_batch_size=[2, 3])
+    t0 = now()
+    await asyncio.gather(*(submit(r) for _ in range(3)))
+    assert ctxs[0].batches == [3] and now() - t0 == pytest.approx(0.003)
+    await r.close()
+
+
+async def test_requests_queue_while_the_context_is_busy_and_fill_the_next_batch():
+    """One context busy for 50 ms with a request of 5 rows; 10 single rows arrive meanwhile: the next batch takes
+    8 (max), the one after the last 2; shapes never mix; requests are never split."""
+    r, ctxs, _, _ = runner(seconds_per_row=0.010, max_batch_size=8)
+    busy = submit(r, 5)
+    await asyncio.sleep(0)
+    others = [submit(r) for _ in range(10)]
+    await asyncio.gather(busy, *others)
+    assert ctxs[0].batches == [5, 8, 2]
+    await r.close()
+
+
+async def test_only_requests_of_one_shape_share_a_batch():
+    r, _, _, _ = runner(max_queue_delay_microseconds=1000)
+    a = r.infer({"x": np.ones((1, 4), np.float32)}, rows=1, received=now())
+    b = r.infer({"x": np.ones((1, 4), np.float64)}, rows=1, received=now())
+    # the signature would refuse float64 before queueing; the queue itself still keeps shape keys apart
+    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    await asyncio.gather(ta, tb)
+    assert ta.result()["y"].dtype == np.float32 and tb.result()["y"].dtype == np.float64
+    await r.close()
+
+
+async def test_a_queued_request_gets_504_at_its_deadline_and_never_runs():
+    r, ctxs, _, metrics = runner(seconds_per_row=0.100)
+    slow = submit(r, 5)  # 0.5 s
+    await asyncio.sleep(0)
+    t0 = now()
+    late = submit(r, timeout_s=0.050)
+    with pytest.raises(DeadlineExceeded, match="in the queue"):
+        await late
+    assert now() - t0 == pytest.approx(0.050)
+    await slow
+    assert ctxs[0].batches == [5]
+    assert r.queue_depth == 0
+    await r.close()
+
+
+async def test_an_executing_request_gets_504_at_its_deadline_not_its_late_answer():
+    r, _, _, _ = runner(seconds_per_row=0.100, admission_control=False)
+    t0 = now()
+    with pytest.raises(DeadlineExceeded, match="while its batch was executing"):
+        await submit(r, 5, timeout_s=0.150)
+    assert now() - t0 == pytest.approx(0.150)
+    await r.close()
+
+
+async def test_work_that_would_finish_after_its_deadline_is_not_started():
+    """Once a 5-row batch took 50 ms, a request whose deadline falls inside its 5-row batch's execution is dropped
+    before execution (504) and its batch-mate runs."""
+    r, ctxs, _, _ = runner(seconds_per_row=0.010, admission_control=False, max_queue_delay_microseconds=1000)
+    await submit(r, 5)  # measures t(5) = 50 ms
+    doomed = submit(r, 4, timeout_s=0.030)
+    fine = submit(r, 1)
+    with pytest.raises(DeadlineExceeded, match="not executed"):
+        await doomed
+    await fine
+    assert ctxs[0].batches == [5, 1]
+    await r.close()
+
+
+async def test_admission_control_refuses_what_cannot_drain_in_time_with_retry_after():
+    r, _, _, _ = runner(seconds_per_row=0.100)
+    await submit(r, 8)  # t(8) = 0.8 s measured
+    backlog = [submit(r, 8) for _ in range(3)]  # 2.4 s of work ahead
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable) as exc:
+        await submit(r, timeout_s=0.5)
+    assert "the 24 rows ahead need about 2400 ms" in exc.value.message and exc.value.retry_after_s == 3
+    ok = submit(r, timeout_s=5.0)  # 2.4 s + its own row: fits
+    await asyncio.gather(*backlog, ok)
+    await r.close()
+
+
+async def test_admission_never_refuses_on_an_extrapolated_guess():
+    """Only single rows were measured (100 ms each); 24 rows ahead would take 2.4 s if batching gained nothing, but
+    the estimate for unmeasured larger batches is a lower bound (100 ms per batch), so a 1 s deadline is admitted."""
+    r, _, _, _ = runner(seconds_per_row=0.100, priority_levels=2)
+    await submit(r, 1)
+    backlog = [submit(r, 8, priority=1) for _ in range(3)]
+    await asyncio.sleep(0)
+    hopeful = submit(r, timeout_s=1.0, priority=2)
+    await asyncio.gather(*backlog)
+    with pytest.raises(DeadlineExceeded):  # it did not make it: answered 504 at its deadline, not refused early
+        await hopeful
+    await r.close()
+
+
+async def test_higher_priority_runs_first_and_starvation_is_bounded():
+    r, ctxs, _, _ = runner(seconds_per_row=0.100, max_batch_size=1, priority_levels=2, default_priority_level=2,
+                           max_priority_wait_microseconds=250_000)
+    order: list[str] = []
+
+    async def tagged(tag: str, priority: int | None):
+        await submit(r, value=len(order), priority=priority)
+        order.append(tag)
+
+    blocker = asyncio.ensure_future(tagged("blocker", 1))
+    await asyncio.sleep(0)
+    low = asyncio.ensure_future(tagged("low", 2))
+    highs = []
+    for i in range(6):  # a steady stream of level-1 requests, one per 100 ms
+        highs.append(asyncio.ensure_future(tagged(f"high{i}", 1)))
+        await asyncio.sleep(0.100)
+    await asyncio.gather(blocker, low, *highs)
+    # low waited 250 ms (the bound) and then went before the level-1 requests queued after that moment
+    assert order.index("low") == 3, order
+    await r.close()
+
+
+async def test_queue_full_is_503():
+    r, _, _, _ = runner(seconds_per_row=0.100, default_queue_policy={"max_queue_size": 2})
+    running = submit(r)
+    await asyncio.sleep(0)
+    queued = [submit(r), submit(r)]
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match="queue is full"):
+        await submit(r)
+    await asyncio.gather(running, *queued)
+    await r.close()
+
+
+async def test_a_cancelled_queued_request_never_runs_and_its_batch_mates_are_unaffected():
+    r, ctxs, _, _ = runner(seconds_per_row=0.100, max_queue_delay_microseconds=1000)
+    running = submit(r)
+    await asyncio.sleep(0.002)  # its window closed: it executes for 100 ms
+    gone, stays = submit(r, 3), submit(r, 2)
+    await asyncio.sleep(0.010)
+    gone.cancel()
+    await asyncio.gather(running, stays)
+    assert ctxs[0].batches == [1, 2]
+    assert r.queue_depth == 0
+    await r.close()
+
+
+async def test_an_engine_error_fails_its_batch_only_and_a_lost_worker_is_503():
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=1000)
+    ctxs[0].fail = EngineError("kaput")
+    with pytest.raises(ExecutionFailed, match="kaput"):
+        await submit(r)
+    await submit(r)  # keeps serving
+    ctxs[0].fail = EngineUnavailable("worker died")
+    with pytest.raises(Unavailable, match="worker died"):
+        await submit(r)
+    await r.close()
+
+
+async def test_two_contexts_take_batches_as_they_become_idle():
+    r, ctxs, _, _ = runner(contexts=2, seconds_per_row=0.010, max_batch_size=4)
+    await asyncio.gather(*(submit(r) for _ in range(16)))
+    assert sum(c.batches.count(4) for c in ctxs) == 4 and all(c.batches for c in ctxs)
+    await r.close()
+
+
+async def test_close_answers_queued_503_lets_the_running_batch_finish_and_releases_contexts():
+    r, ctxs, execs, _ = runner(seconds_per_row=0.100)
+    running = submit(r, 2)
+    await asyncio.sleep(0)
+    queued = submit(r)
+    await asyncio.sleep(0.010)
+    await r.close()
+    assert (await running)["y"].shape == (2, 4)
+    with pytest.raises(Unavailable, match="shutting down"):
+        await queued
+    with pytest.raises(Unavailable, match="shutting down"):
+        await submit(r)
+    assert execs[0].closed and ctxs[0].released and ctxs[0].batches == [2]
+
+
+async def test_queue_metrics_and_statistics_follow_the_batches():
+    r, _, _, metrics = runner(seconds_per_row=0.010, max_queue_delay_microseconds=2000)
+    await asyncio.gather(*(submit(r) for _ in range(3)))
+    assert r.stats.execution_count == 1 and r.stats.inference_count == 3
+    assert r.stats.queue.count == 3 and r.stats.queue.ns == 3 * 2_000_000
+    assert r.stats.compute_infer.ns == 3 * 30_000_000  # each request is charged its batch's 30 ms
+    sample = metrics.registry.get_sample_value
+    assert sample("batcher_batch_size_count", {"model": "m", "version": "1"}) == 1
+    assert sample("batcher_queue_depth", {"model": "m", "version": "1"}) == 0
+    await r.close()
