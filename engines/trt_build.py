@@ -401,15 +401,14 @@ def _convert_fp16(onnx_bytes: bytes) -> bytes:
 
 def _make_calibrator(trt: ModuleType, batches: list[np.ndarray]) -> Any:
     """An ``IInt8EntropyCalibrator2`` feeding ``batches`` through one device buffer (TensorRT 10 only)."""
-    from . import tensorrt as rt
-
-    cudart = rt._load_cudart()
+    from .cuda import DeviceBuffer, Stream
 
     class _Calibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[name-defined, misc]
         def __init__(self) -> None:
             trt.IInt8EntropyCalibrator2.__init__(self)
             self._i = 0
-            self._ptr = rt._cuda_malloc(cudart, max(b.nbytes for b in batches))
+            self._stream = Stream()
+            self._device = DeviceBuffer(max(b.nbytes for b in batches))
 
         def get_batch_size(self) -> int:
             return int(batches[0].shape[0])
@@ -419,9 +418,9 @@ def _make_calibrator(trt: ModuleType, batches: list[np.ndarray]) -> Any:
                 return None
             batch = batches[self._i]
             self._i += 1
-            rt._cuda_h2d(cudart, self._ptr, batch.ctypes.data, batch.nbytes, 0, names[0])
-            rt._cuda_stream_sync(cudart, 0)
-            return [self._ptr]
+            self._device.copy_from_host_async(batch.ctypes.data, batch.nbytes, self._stream, repr(names[0]))
+            self._stream.synchronize()  # the batch is pageable host memory: wait until it is on the device
+            return [self._device.ptr]
 
         def read_calibration_cache(self) -> bytes | None:
             return None
@@ -430,9 +429,8 @@ def _make_calibrator(trt: ModuleType, batches: list[np.ndarray]) -> Any:
             return None
 
         def close(self) -> None:
-            if self._ptr:
-                rt._cuda_free(cudart, self._ptr)
-                self._ptr = 0
+            self._device.free()
+            self._stream.destroy()
 
     return _Calibrator()
 
@@ -540,9 +538,9 @@ def cached_build(onnx_path: Path, options: BuildOptions, cache_dir: Path, *, dev
 
     Raises:
         TensorRTMissing / BuildError: as :func:`build_plan`; BuildError also when the ONNX file cannot be read.
-        engines.tensorrt.TensorRTError: no usable CUDA device.
+        engines.cuda.CudaError: no usable CUDA device.
     """
-    from .tensorrt import compute_capability
+    from .cuda import compute_capability
 
     trt = _load_full_tensorrt()
     try:
@@ -685,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
                 raise BuildError(f"cannot read ONNX model {model}: {exc.strerror}") from exc
             atomic_write(args.output, build_plan(onnx_bytes, options, onnx_path=model))
             plan_path = args.output
-    except EngineError as exc:  # BuildError, or TensorRTError (no usable GPU)
+    except EngineError as exc:  # BuildError, or CudaError (no usable GPU)
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     print(f"{plan_path} ({plan_path.stat().st_size} bytes)")

@@ -15,7 +15,9 @@ import pytest
 import engines.tensorrt as backend
 import engines.trt_build as tb
 from engines.base import EngineError, TensorSpec
+from engines.cuda import CudaError, use_runtime
 from engines.tensorrt import TensorRTEngine, TensorRTError
+from engines.tensorrt import api as trt_api
 from fake_tensorrt import FakeTensorRT, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +44,9 @@ def expected(*inputs: np.ndarray, per_row: int = 5, dtype=np.float32) -> np.ndar
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeTensorRT()
-    monkeypatch.setattr(backend, "_trt", f.trt)
-    monkeypatch.setattr(backend, "_cudart", f.cudart)
-    return f
+    monkeypatch.setattr(trt_api, "_trt", f.trt)
+    with use_runtime(f.cudart):
+        yield f
 
 
 @pytest.fixture
@@ -210,19 +212,19 @@ def test_no_gpu_fails_before_tensorrt_is_touched(fake, tmp_path):
     fake.gpu.device_count = 0
     path = tmp_path / "m.plan"
     path.write_bytes(make_plan(image_spec()))
-    with pytest.raises(TensorRTError, match="cudaGetDeviceCount.*cudaErrorNoDevice"):
+    with pytest.raises(CudaError, match="cudaGetDeviceCount.*cudaErrorNoDevice"):
         TensorRTEngine(path)
     assert "runtime created" not in fake.gpu.events  # the real Runtime(logger) segfaults without a driver
 
 
 def test_device_out_of_range(load):
-    with pytest.raises(TensorRTError, match="device 3 does not exist"):
+    with pytest.raises(CudaError, match="device 3 does not exist"):
         load(device_id=3)
 
 
 def test_unknown_runtime():
     with pytest.raises(EngineError, match="runtime must be one of"):
-        backend._load_trt("tensorrt")
+        trt_api.load_trt("tensorrt")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="full TensorRT is installed here")
@@ -365,7 +367,7 @@ def test_execute_false_is_typed_and_context_stays_usable(load, fake):
 def test_cuda_error_is_typed_with_function_and_error_name(load, fake):
     ctx = load().create_context()
     fake.gpu.inject["cudaMemcpyAsync"] = fake.cudart.cudaError_t.cudaErrorInvalidValue
-    with pytest.raises(TensorRTError, match="cudaMemcpyAsync H2D 'x'.*cudaErrorInvalidValue"):
+    with pytest.raises(CudaError, match="cudaMemcpyAsync H2D 'x'.*cudaErrorInvalidValue"):
         ctx.execute({"x": rand(2, 3, 4, 4)})
     x = rand(2, 3, 4, 4)
     np.testing.assert_allclose(ctx.execute({"x": x})["y"], expected(x), rtol=1e-6)
@@ -375,7 +377,7 @@ def test_failed_context_creation_frees_what_it_took(load, fake):
     eng = load()
     before = dict(fake.gpu.counts())
     fake.gpu.inject["cudaMallocHost"] = fake.cudart.cudaError_t.cudaErrorMemoryAllocation
-    with pytest.raises(TensorRTError, match="cudaMallocHost.*cudaErrorMemoryAllocation"):
+    with pytest.raises(CudaError, match="cudaMallocHost.*cudaErrorMemoryAllocation"):
         eng.create_context()
     assert fake.gpu.counts() == before
     eng.create_context()  # and the engine still works
