@@ -165,8 +165,9 @@ def _collect_one(tree: ast.AST, guard: Guard, params: dict[str, list[str]], file
             continue
         pairs: list[tuple[ast.AST, ast.AST]] = []
         for target in node.targets:
-            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) and len(target.elts) == len(node.value.elts):
-                pairs.extend(zip(target.elts, node.value.elts))
+            value = node.value
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+                pairs.extend(zip(target.elts, value.elts))
             elif isinstance(target, ast.Tuple) and target.elts:
                 pairs.append((target.elts[0], node.value))  # trt, name = load_trt(...): the first element
             else:

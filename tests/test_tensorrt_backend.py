@@ -1,5 +1,5 @@
 """The TensorRT backend end to end on the stand-in hardware (tests/fake_tensorrt.py), its pure helpers, and the
-pure parts of the plan builder (engines/trt_build.py) including its CLI without TensorRT."""
+pure parts of the plan builder (engines/trt_build) including its CLI without TensorRT."""
 
 from __future__ import annotations
 
@@ -575,9 +575,9 @@ def test_calibration_batches_and_digest(tmp_path):
 
 
 def test_cached_build_reuses_the_plan(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(tb, "_trt", SimpleNamespace(__version__="10.13.0"))
+    monkeypatch.setattr(tb.build, "_trt", SimpleNamespace(__version__="10.13.0"))
     built = []
-    monkeypatch.setattr(tb, "build_plan", lambda data, options, onnx_path=None: built.append(data) or b"PLAN")
+    monkeypatch.setattr(tb.build, "build_plan", lambda data, options, onnx_path=None: built.append(data) or b"PLAN")
     onnx_path = tmp_path / "m.onnx"
     onnx_path.write_bytes(b"model")
     opts = tb.BuildOptions(profiles=PROFILE)
