@@ -115,15 +115,13 @@ def runtime() -> ModuleType:
     """
     if _injected is not None:
         return _injected
-    try:
-        return importlib.import_module("cuda.bindings.runtime")
-    except ImportError:
-        pass
-    try:
-        return importlib.import_module("cuda.cudart")
-    except ImportError as exc:
-        raise CudaError(f"GPU execution needs cuda-python (cuda.bindings.runtime): {exc}. Install it: "
-                        "pip install cuda-python") from None
+    reasons = []
+    for name in ("cuda.bindings.runtime", "cuda.cudart"):  # cuda-python >= 12.6, then its older layout
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            reasons.append(f"{name}: {exc}")
+    raise CudaError(f"GPU execution needs cuda-python ({'; '.join(reasons)}). Install it: pip install cuda-python")
 
 
 def take(owner: object, attr: str, empty: Any = None) -> list[Any]:

@@ -14,7 +14,21 @@ from typing import Any
 from .runtime import CudaError, check, runtime, take
 
 
-class Stream:
+class _Handle:
+    """One CUDA handle (``self.handle``) that :meth:`destroy` frees exactly once with the subclass's ``_free``."""
+
+    handle: Any = None
+
+    def destroy(self) -> None:
+        """Destroy the handle (CudaError if CUDA refuses; the handle is dropped all the same). Idempotent."""
+        for handle in take(self, "handle"):
+            self._free(handle)
+
+    def _free(self, handle: Any) -> None:
+        raise NotImplementedError
+
+
+class Stream(_Handle):
     """A non-blocking CUDA stream (``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``): it never serializes
     with the legacy default stream, so contexts on their own streams overlap.
 
@@ -40,13 +54,11 @@ class Stream:
         """
         check(runtime().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
 
-    def destroy(self) -> None:
-        """Destroy the stream (``cudaStreamDestroy``; CudaError if refused); queued work still completes. Idempotent."""
-        for handle in take(self, "handle"):
-            check(runtime().cudaStreamDestroy(handle), "cudaStreamDestroy")
+    def _free(self, handle: Any) -> None:  # queued work still completes
+        check(runtime().cudaStreamDestroy(handle), "cudaStreamDestroy")
 
 
-class Event:
+class Event(_Handle):
     """A CUDA event (``cudaEventCreateWithFlags``), to time work on a stream or wait for a point in it.
 
     Args:
@@ -89,13 +101,11 @@ class Event:
         """
         return float(check(runtime().cudaEventElapsedTime(start.handle, self.handle), "cudaEventElapsedTime"))
 
-    def destroy(self) -> None:
-        """Destroy the event (``cudaEventDestroy``; CudaError if refused). Idempotent."""
-        for handle in take(self, "handle"):
-            check(runtime().cudaEventDestroy(handle), "cudaEventDestroy")
+    def _free(self, handle: Any) -> None:
+        check(runtime().cudaEventDestroy(handle), "cudaEventDestroy")
 
 
-class Graph:
+class Graph(_Handle):
     """An executable CUDA graph (``cudaGraphExec_t``) captured from a stream: one launch replays every operation
     the capture queued (same kernels, same addresses, same sizes) with a single CPU call.
 
@@ -149,7 +159,5 @@ class Graph:
             raise CudaError("cudaGraphLaunch on a destroyed graph")
         check(runtime().cudaGraphLaunch(self.handle, stream.handle), "cudaGraphLaunch")
 
-    def destroy(self) -> None:
-        """Destroy the executable graph (``cudaGraphExecDestroy``; CudaError if refused). Idempotent."""
-        for handle in take(self, "handle"):
-            check(runtime().cudaGraphExecDestroy(handle), "cudaGraphExecDestroy")
+    def _free(self, handle: Any) -> None:
+        check(runtime().cudaGraphExecDestroy(handle), "cudaGraphExecDestroy")
