@@ -340,5 +340,6 @@ def test_onnxruntime_cuda_context_goes_through_the_layer(fake):
     staged[:] = 1.0
     np.testing.assert_array_equal(ctx.execute({"x": staged})["y"], np.full((4, 3), 2.0, np.float32))
     assert session.binding.inputs["x"][:2] == ("cuda", 0)
+    assert fake.gpu.calls["cudaSetDevice"] == 3  # each call makes the session's device current on its thread
     ctx.release()
     assert fake.gpu.counts() == {"pinned": 0, "streams": 0}
