@@ -15,7 +15,7 @@ import pytest
 import engines.tensorrt as backend
 import engines.trt_build as tb
 from engines.base import EngineError, TensorSpec
-from engines.cuda import CudaError, use_runtime
+from engines.cuda import CudaError, Graph, use_runtime
 from engines.tensorrt import TensorRTEngine, TensorRTError
 from engines.tensorrt import api as trt_api
 from fake_tensorrt import FakeTensorRT, make_plan
@@ -371,6 +371,25 @@ def test_cuda_error_is_typed_with_function_and_error_name(load, fake):
         ctx.execute({"x": rand(2, 3, 4, 4)})
     x = rand(2, 3, 4, 4)
     np.testing.assert_allclose(ctx.execute({"x": x})["y"], expected(x), rtol=1e-6)
+
+
+def test_execute_async_v3_captured_into_a_cuda_graph_replays_on_new_data(load, fake):
+    """The layer is enough for TensorRT's CUDA-graph recipe: one warm-up enqueue per input shape, then capture."""
+    ctx = load().create_context()
+    ctx.execute({"x": rand(4, 3, 4, 4)})  # warm-up: input shapes set, tensor addresses bound
+    stream = ctx._stream
+    graph = Graph.capture(stream, lambda: ctx._trt_context.execute_async_v3(stream.ptr))
+    ran = len(fake.gpu.executions)
+    x = rand(4, 3, 4, 4, seed=5)
+    np.copyto(ctx.host_buffer("x", x.shape, x.dtype), x)
+    ctx._device["x"].copy_from_host_async(ctx._pinned["x"].ptr, x.nbytes, stream)
+    graph.launch(stream)
+    ctx._device["y"].copy_to_host_async(ctx._pinned["y"].ptr, 4 * 5 * 4, stream)
+    stream.synchronize()
+    assert fake.gpu.executions[ran:] == [{"x": (4, 3, 4, 4)}]
+    np.testing.assert_allclose(ctx._pinned["y"].view((4, 5), np.float32), expected(x), rtol=1e-6)
+    graph.destroy()
+    ctx.release()
 
 
 def test_failed_context_creation_frees_what_it_took(load, fake):
