@@ -38,16 +38,8 @@ from __future__ import annotations
 from .build import build_plan, cached_build
 from .cache import cache_key, calibration_digest, load_calibration_batches
 from .cli import add_arguments, main, parse_profile_args, parse_shape, profiles_from_args, run
-from .options import (
-    EXIT_NO_TENSORRT,
-    HARDWARE_COMPATIBILITY,
-    PRECISIONS,
-    BuildError,
-    BuildOptions,
-    TensorRTMissing,
-    capabilities,
-    unsupported_options,
-)
+from .options import EXIT_NO_TENSORRT, HARDWARE_COMPATIBILITY, PRECISIONS, BuildError, BuildOptions
+from .options import TensorRTMissing, capabilities, unsupported_options
 
 __all__ = [
     "BuildError",

@@ -15,14 +15,8 @@ import numpy as np
 
 from ..files import atomic_write
 from .cache import cache_key, calibration_digest, load_calibration_batches
-from .options import (
-    HARDWARE_COMPATIBILITY,
-    BuildError,
-    BuildOptions,
-    TensorRTMissing,
-    capabilities,
-    unsupported_options,
-)
+from .options import HARDWARE_COMPATIBILITY, BuildError, BuildOptions, TensorRTMissing
+from .options import capabilities, unsupported_options
 
 #: Injected full TensorRT module (tests); ``None``: ``import tensorrt``.
 _trt: ModuleType | None = None

@@ -11,16 +11,8 @@ from pathlib import Path
 from ..base import EngineError
 from ..files import atomic_write
 from . import build as builder
-from .options import (
-    EXIT_NO_TENSORRT,
-    HARDWARE_COMPATIBILITY,
-    PRECISIONS,
-    BuildError,
-    BuildOptions,
-    Profile,
-    Shape,
-    TensorRTMissing,
-)
+from .options import EXIT_NO_TENSORRT, HARDWARE_COMPATIBILITY, PRECISIONS, BuildError, BuildOptions, Profile
+from .options import Shape, TensorRTMissing
 
 # --------------------------------------------------------------------------- CLI helpers
 
