@@ -25,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .base import Engine, EngineError, ExecutionContext, TensorSpec
+from .cuda import set_device
 from .datatypes import ONNX_TYPES
 from .memory import rss_bytes
 
@@ -91,12 +92,14 @@ class OnnxRuntimeCudaContext(OnnxRuntimeContext):
         return pinned, dev
 
     def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        set_device(self._device_id)
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return self._buffers(name, nbytes)[0].view(shape, dtype)
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
             raise EngineError("execution context was released")
+        set_device(self._device_id)  # the current device is per thread: allocate and copy on the session's
         b = self._binding
         b.clear_binding_inputs()
         b.clear_binding_outputs()
@@ -198,7 +201,7 @@ class OnnxRuntimeEngine(Engine):
         from .cuda import Stream, mem_get_info
 
         with _MEASURE_LOCK:
-            free_before, _ = mem_get_info()
+            free_before, _ = mem_get_info(self.device_id)  # checks the device and makes it current
             stream = Stream()
             providers = [
                 ("CUDAExecutionProvider", {
@@ -216,7 +219,7 @@ class OnnxRuntimeEngine(Engine):
             except BaseException:
                 stream.destroy()
                 raise
-            grown = max(0, free_before - mem_get_info()[0])
+            grown = max(0, free_before - mem_get_info(self.device_id)[0])
         ctx = OnnxRuntimeCudaContext(session, [o.name for o in session.get_outputs()], grown, stream, self.device_id)
         return ctx, session
 

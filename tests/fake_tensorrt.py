@@ -1,29 +1,25 @@
-"""Stand-ins for the TensorRT runtime module and ``cuda.bindings.runtime``, for machines without a GPU.
+"""Stand-in for the TensorRT runtime module, for machines without a GPU; the CUDA runtime and the fake device come
+from ``tests/fake_cuda.py``.
 
 Only the hardware is faked; everything the backend computes (shapes, buffer sizes, profile choice, slicing) runs
 for real against it. ``FakeTensorRT()`` gives three things:
 
-* ``.trt``: a module with the names ``engines/tensorrt.py`` uses from ``tensorrt``/``tensorrt_lean``
+* ``.trt``: a module with the names the ``engines/tensorrt`` package uses from ``tensorrt``/``tensorrt_lean``
   (``Logger``, ``Runtime``, ``ICudaEngine``, ``IExecutionContext``, ``DataType``, ...). Every public attribute and
   method of it mirrors the real API's name, kind (method/property) and parameter names -
   ``tests/test_tensorrt_api.py`` checks that it is a subset of the real ``tensorrt_lean`` 11.4 bindings;
-* ``.cudart``: a module with the ``cuda.bindings.runtime`` functions and enums the backend uses, same names and
-  parameter names as the real ones (also checked), returning ``(cudaError_t, *values)`` tuples like them;
+* ``.cudart``: the ``cuda.bindings.runtime`` stand-in of ``tests/fake_cuda.py`` (checked by
+  ``tests/test_cuda_api.py``), to inject with ``engines.cuda.use_runtime``;
 * ``.gpu``: the fake device's state and the test controls (never part of a real API): allocations, streams, an
-  ordered event log, call counters, error injection.
+  ordered event log, call counters, error injection (see ``tests/fake_cuda.py``).
 
-The fake device:
+The TensorRT side:
 
-* device memory is a dict ``pointer -> bytearray`` (pointers from 0x7_0000_0000 up, 256-byte aligned);
-* pinned host memory (``cudaMallocHost``) is real host memory (ctypes buffers), so numpy can view it and
-  ``cudaMemcpyAsync`` reads/writes it by address; host pointers passed to a copy must lie inside a pinned
-  allocation, device pointers inside a device allocation, else ``cudaErrorInvalidValue``;
-* streams are ints; ``cudaMemcpyAsync`` and ``execute_async_v3`` only QUEUE work on the stream and
-  ``cudaStreamSynchronize`` runs it, so a backend that reads outputs before synchronizing, or overwrites a
-  staging buffer while a copy is queued, sees wrong data exactly as on a GPU;
-* an engine is described by a JSON spec wrapped by :func:`make_plan`; ``execute_async_v3`` computes, per row r,
-  ``out[r].flat[k] = 2 * (sum of every input's row r) + k`` cast to the output's dtype, where the output shape is
-  ``(rows,) + spec_shape[1:]``;
+* an engine is described by a JSON spec wrapped by :func:`make_plan`; ``execute_async_v3`` only QUEUES the
+  computation on the stream (it runs when the stream is synchronized, or when a captured graph of it is launched
+  and then synchronized) and computes, per row r, ``out[r].flat[k] = 2 * (sum of every input's row r) + k`` cast
+  to the output's dtype, where the output shape is ``(rows,) + spec_shape[1:]``; ``gpu.executions`` lists the
+  input shapes of every computation that RAN;
 * creating an execution context allocates the engine's ``device_memory_size_v2`` activation bytes and
   deserializing an engine allocates its weights bytes; both are freed when the Python object dies (the real
   bindings free in ``__del__`` too), and the event log records ``"context destroyed"``, ``"engine destroyed"``,
@@ -32,16 +28,16 @@ The fake device:
 
 from __future__ import annotations
 
-import ctypes
 import enum
-import itertools
 import json
-from collections import Counter
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from fake_cuda import FakeCuda, FakeGPU
+
+__all__ = ["FakeTensorRT", "FakeGPU", "make_plan", "PLAN_MAGIC", "NUMPY_BY_TRT"]
 
 PLAN_MAGIC = b"FAKETRTPLAN\n"
 
@@ -71,287 +67,14 @@ def make_plan(spec: dict[str, Any]) -> bytes:
     return PLAN_MAGIC + json.dumps(spec).encode()
 
 
-class FakeGPU:
-    """State of the fake device and the knobs tests turn. Not a mirror of any real API."""
-
-    DEVICE_BASE = 0x7_0000_0000
-
-    def __init__(self, total_memory: int = 80 << 30, device_count: int = 1, capability: tuple[int, int] = (9, 0)):
-        self.total_memory = total_memory
-        self.device_count = device_count
-        self.capability = capability
-        self.device: dict[int, bytearray] = {}  # base pointer -> memory
-        self.device_owner: dict[int, str] = {}  # base pointer -> "cudaMalloc" | "weights" | "activation"
-        self.host: dict[int, Any] = {}  # base pointer -> ctypes buffer (pinned)
-        self.streams: dict[int, list[Callable[[], int]]] = {}
-        self.events: list[str] = []
-        self.calls: Counter[str] = Counter()
-        self.inject: dict[str, int] = {}  # cudart function name -> cudaError_t value it returns once
-        self.fail_execute = 0  # execute_async_v3 returns False this many times
-        self.refuse_shapes: set[tuple[str, tuple[int, ...]]] = set()  # set_input_shape returns False for these
-        self.executions: list[dict[str, tuple[int, ...]]] = []  # input shapes of each execute_async_v3
-        self.last_inputs: dict[str, np.ndarray] = {}  # input tensors as the last execution read them
-        self._next = self.DEVICE_BASE
-        self._stream_ids = itertools.count(1)
-
-    # ---- device memory
-
-    def alloc(self, nbytes: int, owner: str) -> int:
-        ptr = self._next
-        self._next += (max(nbytes, 1) + 255) // 256 * 256 + 256
-        self.device[ptr] = bytearray(nbytes)
-        self.device_owner[ptr] = owner
-        return ptr
-
-    def free(self, ptr: int) -> bool:
-        if ptr not in self.device:
-            return False
-        del self.device[ptr]
-        del self.device_owner[ptr]
-        return True
-
-    def used(self) -> int:
-        return sum(len(b) for b in self.device.values())
-
-    def find_device(self, ptr: int, nbytes: int) -> tuple[bytearray, int] | None:
-        for base, mem in self.device.items():
-            if base <= ptr and ptr + nbytes <= base + len(mem):
-                return mem, ptr - base
-        return None
-
-    def host_ok(self, ptr: int, nbytes: int) -> bool:
-        return any(base <= ptr and ptr + nbytes <= base + ctypes.sizeof(buf) for base, buf in self.host.items())
-
-    def read(self, ptr: int, nbytes: int) -> bytes:
-        found = self.find_device(ptr, nbytes)
-        if found is None:
-            raise IndexError(f"device read of {nbytes} B at {ptr:#x} outside any allocation")
-        mem, off = found
-        return bytes(mem[off : off + nbytes])
-
-    def write(self, ptr: int, data: bytes) -> None:
-        found = self.find_device(ptr, len(data))
-        if found is None:
-            raise IndexError(f"device write of {len(data)} B at {ptr:#x} outside any allocation")
-        mem, off = found
-        mem[off : off + len(data)] = data
-
-    def new_stream(self) -> int:
-        sid = next(self._stream_ids)
-        self.streams[sid] = []
-        return sid
-
-    def counts(self) -> dict[str, int]:
-        """Live resources: device allocations by owner, pinned buffers, streams."""
-        by_owner = Counter(self.device_owner.values())
-        return {**by_owner, "pinned": len(self.host), "streams": len(self.streams)}
-
-
 class FakeTensorRT:
     """``.trt`` (TensorRT runtime module stand-in), ``.cudart`` (cuda.bindings.runtime stand-in), ``.gpu``."""
 
     def __init__(self, gpu: FakeGPU | None = None) -> None:
-        self.gpu = gpu or FakeGPU()
-        self.cudart = _make_cudart(self.gpu)
+        cuda = FakeCuda(gpu)
+        self.gpu = cuda.gpu
+        self.cudart = cuda.cudart
         self.trt = _make_trt(self.gpu, self.cudart)
-
-
-# =========================================================================== cuda.bindings.runtime stand-in
-
-
-def _make_cudart(gpu: FakeGPU) -> ModuleType:
-    m = ModuleType("fake_cudart")
-
-    class cudaError_t(enum.IntEnum):
-        cudaSuccess = 0
-        cudaErrorInvalidValue = 1
-        cudaErrorMemoryAllocation = 2
-        cudaErrorInsufficientDriver = 35
-        cudaErrorNoDevice = 100
-        cudaErrorInvalidDevice = 101
-        cudaErrorInvalidResourceHandle = 400
-        cudaErrorIllegalAddress = 700
-
-    class cudaMemcpyKind(enum.IntEnum):
-        cudaMemcpyHostToHost = 0
-        cudaMemcpyHostToDevice = 1
-        cudaMemcpyDeviceToHost = 2
-        cudaMemcpyDeviceToDevice = 3
-        cudaMemcpyDefault = 4
-
-    class cudaDeviceAttr(enum.IntEnum):
-        cudaDevAttrComputeCapabilityMajor = 75
-        cudaDevAttrComputeCapabilityMinor = 76
-
-    ok = cudaError_t.cudaSuccess
-    current = {"device": 0}
-
-    def injected(name: str) -> cudaError_t | None:
-        gpu.calls[name] += 1
-        if gpu.device_count == 0:
-            return cudaError_t.cudaErrorNoDevice
-        err = gpu.inject.pop(name, None)
-        return None if err is None else cudaError_t(err)
-
-    def cudaGetErrorName(error):
-        return ok, cudaError_t(error).name.encode()
-
-    def cudaGetErrorString(error):
-        return ok, f"fake error {int(error)}".encode()
-
-    def cudaGetDeviceCount():
-        err = injected("cudaGetDeviceCount")
-        if err is not None:
-            return err, 0
-        return ok, gpu.device_count
-
-    def cudaSetDevice(device):
-        err = injected("cudaSetDevice")
-        if err is not None:
-            return (err,)
-        if not 0 <= int(device) < gpu.device_count:
-            return (cudaError_t.cudaErrorInvalidDevice,)
-        current["device"] = int(device)
-        return (ok,)
-
-    def cudaDeviceGetAttribute(attr, device):
-        err = injected("cudaDeviceGetAttribute")
-        if err is not None:
-            return err, 0
-        if attr == cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor:
-            return ok, gpu.capability[0]
-        if attr == cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor:
-            return ok, gpu.capability[1]
-        return cudaError_t.cudaErrorInvalidValue, 0
-
-    def cudaStreamCreateWithFlags(flags):
-        err = injected("cudaStreamCreateWithFlags")
-        if err is not None:
-            return err, None
-        if int(flags) not in (0, 1):
-            return cudaError_t.cudaErrorInvalidValue, None
-        return ok, gpu.new_stream()
-
-    def _run(stream: int) -> cudaError_t:
-        ops, gpu.streams[stream] = gpu.streams[stream], []
-        status = ok
-        for op in ops:
-            code = op()
-            if code != ok and status == ok:
-                status = cudaError_t(code)
-        return status
-
-    def cudaStreamSynchronize(stream):
-        err = injected("cudaStreamSynchronize")
-        if err is not None:
-            return (err,)
-        if int(stream) not in gpu.streams:
-            return (cudaError_t.cudaErrorInvalidResourceHandle,)
-        return (_run(int(stream)),)
-
-    def cudaStreamDestroy(stream):
-        err = injected("cudaStreamDestroy")
-        if err is not None:
-            return (err,)
-        if int(stream) not in gpu.streams:
-            return (cudaError_t.cudaErrorInvalidResourceHandle,)
-        _run(int(stream))  # like CUDA: queued work completes, then the stream goes
-        del gpu.streams[int(stream)]
-        gpu.events.append("stream destroyed")
-        return (ok,)
-
-    def cudaMalloc(size):
-        err = injected("cudaMalloc")
-        if err is not None:
-            return err, 0
-        if gpu.used() + int(size) > gpu.total_memory:
-            return cudaError_t.cudaErrorMemoryAllocation, 0
-        return ok, gpu.alloc(int(size), "cudaMalloc")
-
-    def cudaFree(devPtr):
-        err = injected("cudaFree")
-        if err is not None:
-            return (err,)
-        if gpu.device_owner.get(int(devPtr)) != "cudaMalloc" or not gpu.free(int(devPtr)):
-            return (cudaError_t.cudaErrorInvalidValue,)
-        gpu.events.append("device buffer freed")
-        return (ok,)
-
-    def cudaMallocHost(size):
-        err = injected("cudaMallocHost")
-        if err is not None:
-            return err, 0
-        buf = (ctypes.c_uint8 * max(int(size), 1))()
-        ptr = ctypes.addressof(buf)
-        gpu.host[ptr] = buf
-        return ok, ptr
-
-    def cudaFreeHost(ptr):
-        err = injected("cudaFreeHost")
-        if err is not None:
-            return (err,)
-        if gpu.host.pop(int(ptr), None) is None:
-            return (cudaError_t.cudaErrorInvalidValue,)
-        gpu.events.append("pinned buffer freed")
-        return (ok,)
-
-    def cudaMemcpyAsync(dst, src, count, kind, stream):
-        err = injected("cudaMemcpyAsync")
-        if err is not None:
-            return (err,)
-        dst, src, count, stream = int(dst), int(src), int(count), int(stream)
-        if stream not in gpu.streams:
-            return (cudaError_t.cudaErrorInvalidResourceHandle,)
-        if kind == cudaMemcpyKind.cudaMemcpyHostToDevice:
-            if not gpu.host_ok(src, count) or gpu.find_device(dst, count) is None:
-                return (cudaError_t.cudaErrorInvalidValue,)
-
-            def op() -> int:  # reads the pinned buffer when the copy RUNS, as DMA does
-                gpu.write(dst, ctypes.string_at(src, count))
-                return ok
-
-        elif kind == cudaMemcpyKind.cudaMemcpyDeviceToHost:
-            if not gpu.host_ok(dst, count) or gpu.find_device(src, count) is None:
-                return (cudaError_t.cudaErrorInvalidValue,)
-
-            def op() -> int:
-                ctypes.memmove(dst, gpu.read(src, count), count)
-                return ok
-
-        else:
-            return (cudaError_t.cudaErrorInvalidValue,)
-        gpu.streams[stream].append(op)
-        return (ok,)
-
-    def cudaMemGetInfo():
-        err = injected("cudaMemGetInfo")
-        if err is not None:
-            return err, 0, 0
-        return ok, gpu.total_memory - gpu.used(), gpu.total_memory
-
-    for obj in (
-        cudaError_t,
-        cudaMemcpyKind,
-        cudaDeviceAttr,
-        cudaGetErrorName,
-        cudaGetErrorString,
-        cudaGetDeviceCount,
-        cudaSetDevice,
-        cudaDeviceGetAttribute,
-        cudaStreamCreateWithFlags,
-        cudaStreamSynchronize,
-        cudaStreamDestroy,
-        cudaMalloc,
-        cudaFree,
-        cudaMallocHost,
-        cudaFreeHost,
-        cudaMemcpyAsync,
-        cudaMemGetInfo,
-    ):
-        setattr(m, obj.__name__, obj)
-    m.cudaStreamNonBlocking = 1
-    m.cudaStreamDefault = 0
-    return m
 
 
 # =========================================================================== TensorRT runtime stand-in
@@ -566,9 +289,9 @@ def _make_trt(gpu: FakeGPU, cudart: ModuleType) -> ModuleType:
             shapes = dict(self._shapes)
             outs = {n: tuple(self.get_tensor_shape(n)) for n in eng._outputs}
             addresses = dict(self._addresses)
-            gpu.executions.append(shapes)
 
             def op() -> int:
+                gpu.executions.append(shapes)
                 rows = next(iter(shapes.values()))[0]
                 total = np.zeros(rows, np.float64)
                 try:
@@ -587,7 +310,7 @@ def _make_trt(gpu: FakeGPU, cudart: ModuleType) -> ModuleType:
                     return cudart.cudaError_t.cudaErrorIllegalAddress
                 return cudart.cudaError_t.cudaSuccess
 
-            gpu.streams[stream].append(op)
+            gpu.enqueue(stream, op)
             return True
 
         def __del__(self):

@@ -1,282 +1,89 @@
-"""CI guard: every TensorRT / CUDA runtime call of engines/tensorrt.py exists in the real bindings, with matching
-parameters, and the test stand-ins (tests/fake_tensorrt.py) cannot drift from them.
+"""CI guard: every TensorRT call of the ``engines/tensorrt`` package exists in the real bindings, with matching
+parameters, and the TensorRT stand-in (tests/fake_tensorrt.py) cannot drift from them. The CUDA runtime side of
+both backends is guarded by tests/test_cuda_api.py.
 
-The real modules are ``tensorrt_lean`` (the lean runtime wheel ``tensorrt-lean-cu13``; the full ``tensorrt``
-module has the same runtime classes) and ``cuda.bindings.runtime`` (``cuda-python``). Both import without a GPU;
-they only describe themselves here (pybind11 ``__doc__`` signatures, Cython ``inspect.signature``), nothing is
-executed - ``tensorrt_lean.Runtime(logger)`` would even crash the process without a CUDA driver.
+The real module is ``tensorrt_lean`` (the lean runtime wheel ``tensorrt-lean-cu13``; the full ``tensorrt`` module
+has the same runtime classes). It imports without a GPU; it only describes itself here (pybind11 ``__doc__``
+signatures), nothing is executed - ``tensorrt_lean.Runtime(logger)`` would even crash the process without a CUDA
+driver.
 
-How uses are found: engines/tensorrt.py names TensorRT objects by convention (``trt``/``self._trt`` the module,
-``runtime_obj``/``self._runtime`` the Runtime, ``cuda_engine``/``self._cuda_engine`` the ICudaEngine,
-``trt_context``/``self._trt_context`` the IExecutionContext, ``cudart``/``self._cudart`` the CUDA runtime). The
-AST walk records every attribute access on those names (call with its positional count and keyword names, load,
-store, ``hasattr``), plus enum chains like ``trt.DataType.HALF``; a test also fails if a TensorRT object is
-aliased to a name outside the convention, so nothing escapes the check.
+How uses are found (tests/api_guard.py): every module of the package names TensorRT objects by convention
+(``trt``/``self._trt`` the module, ``runtime_obj``/``self._runtime`` the Runtime, ``cuda_engine``/
+``self._cuda_engine`` the ICudaEngine, ``trt_context``/``self._trt_context`` the IExecutionContext). The AST walk
+records every attribute access on those names, plus enum chains like ``trt.DataType.HALF``; a test also fails if
+a TensorRT object is aliased to a name outside the convention or passed to a parameter outside it.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import engines.tensorrt as backend
+from api_guard import Guard, collect_uses, declared, pybind_signatures, real_owner, verify_uses
+from engines.tensorrt import api
 
 real_trt = pytest.importorskip("tensorrt_lean", reason="the API guard needs tensorrt-lean-cu13 (imports without GPU)")
-real_cudart = pytest.importorskip("cuda.bindings.runtime", reason="the API guard needs cuda-python")
 
 from fake_tensorrt import FakeTensorRT  # noqa: E402  (tests/ is on sys.path via conftest's rootdir)
 
-SOURCE = Path(backend.__file__).read_text()
+PACKAGE = Path(backend.__file__).parent
+SOURCES = {p.name: p.read_text() for p in sorted(PACKAGE.glob("*.py"))}
 
-TRT_RECEIVERS = {
-    "trt": "module",
-    "_trt": "module",
-    "self._trt": "module",
-    "owner._trt": "module",
-    "runtime_obj": "Runtime",
-    "self._runtime": "Runtime",
-    "cuda_engine": "ICudaEngine",
-    "self._cuda_engine": "ICudaEngine",
-    "owner._cuda_engine": "ICudaEngine",
-    "trt_context": "IExecutionContext",
-    "self._trt_context": "IExecutionContext",
-}
-CUDART_RECEIVERS = {"cudart": "module", "_cudart": "module", "self._cudart": "module", "owner._cudart": "module"}
-
-#: Calls whose result is a TensorRT object: the name it is assigned to must be a receiver of that kind.
-FACTORIES = {
-    ("module", "Runtime"): "Runtime",
-    ("Runtime", "deserialize_cuda_engine"): "ICudaEngine",
-    ("ICudaEngine", "create_execution_context"): "IExecutionContext",
-}
-
-INSTANCE_CLASSES = {"Runtime", "ICudaEngine", "IExecutionContext"}
-
-
-@dataclass(frozen=True)
-class Use:
-    owner: str  # "module", a class name or an enum name
-    name: str
-    kind: str  # "call", "load", "store", "hasattr"
-    npos: int = 0
-    keywords: tuple[str, ...] = ()
-    line: int = 0
+TRT = Guard(
+    receivers={
+        "trt": "module",
+        "_trt": "module",
+        "self._trt": "module",
+        "owner._trt": "module",
+        "runtime_obj": "Runtime",
+        "self._runtime": "Runtime",
+        "cuda_engine": "ICudaEngine",
+        "self._cuda_engine": "ICudaEngine",
+        "owner._cuda_engine": "ICudaEngine",
+        "trt_context": "IExecutionContext",
+        "self._trt_context": "IExecutionContext",
+    },
+    # calls whose result is a TensorRT object: the name it is assigned to must be a receiver of that kind
+    factories={
+        ("", "load_trt"): "module",
+        ("module", "Runtime"): "Runtime",
+        ("Runtime", "deserialize_cuda_engine"): "ICudaEngine",
+        ("ICudaEngine", "create_execution_context"): "IExecutionContext",
+    },
+    module_names=tuple(api.RUNTIME_MODULES.values()),
+    instance_classes=frozenset({"Runtime", "ICudaEngine", "IExecutionContext"}),
+)
 
 
-# --------------------------------------------------------------------------- collecting uses
-
-
-def collect_uses(source: str, receivers: dict[str, str]) -> tuple[list[Use], list[str]]:
-    """Attribute uses on receiver names in ``source``, and alias problems (a TensorRT object stored under a name
-    that is not a receiver of its kind)."""
-    tree = ast.parse(source)
-    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    uses: list[Use] = []
-    problems: list[str] = []
-
-    def owner_of(expr: ast.AST) -> tuple[str, str] | None:
-        """(owner, attribute) when ``expr`` is ``<receiver>.attr`` or ``<module receiver>.Enum.member``."""
-        if not isinstance(expr, ast.Attribute):
-            return None
-        recv = ast.unparse(expr.value)
-        if recv in receivers:
-            return receivers[recv], expr.attr
-        if isinstance(expr.value, ast.Attribute) and receivers.get(ast.unparse(expr.value.value)) == "module":
-            return expr.value.attr, expr.attr  # trt.DataType.HALF -> ("DataType", "HALF")
-        return None
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
-            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-                recv = ast.unparse(node.args[0])
-                if recv in receivers:
-                    uses.append(Use(receivers[recv], node.args[1].value, "hasattr", line=node.lineno))
-        found = owner_of(node)
-        if found is None:
-            continue
-        owner, name = found
-        up = parent.get(node)
-        if isinstance(up, ast.Call) and up.func is node:
-            kws = tuple(k.arg for k in up.keywords if k.arg is not None)
-            uses.append(Use(owner, name, "call", len(up.args), kws, node.lineno))
-        elif isinstance(node.ctx, ast.Store):
-            uses.append(Use(owner, name, "store", line=node.lineno))
-        else:
-            uses.append(Use(owner, name, "load", line=node.lineno))
-
-    def made_by(value: ast.AST) -> str | None:
-        if isinstance(value, ast.Call):
-            return FACTORIES.get(owner_of(value.func))  # type: ignore[arg-type]
-        return receivers.get(ast.unparse(value))
-
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Assign):
-            continue
-        pairs: list[tuple[ast.AST, ast.AST]] = []
-        for target in node.targets:
-            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) and len(target.elts) == len(node.value.elts):
-                pairs.extend(zip(target.elts, node.value.elts))
-            else:
-                pairs.append((target, node.value))
-        for target, value in pairs:
-            made = made_by(value)
-            if made is not None and receivers.get(ast.unparse(target)) != made:
-                problems.append(f"line {node.lineno}: {made} object assigned to {ast.unparse(target)!r}, outside the naming convention")
-    return uses, problems
-
-
-# --------------------------------------------------------------------------- real signatures
-
-
-def _split_top(text: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        parts.append("".join(cur).strip())
-    return parts
-
-
-def pybind_signatures(func: object, name: str) -> list[list[tuple[str, bool]]]:
-    """Parameter lists ``[(name, has_default), ...]`` (``self`` dropped) of every overload in a pybind11
-    docstring: ``name(self: T, a: U, b: V = d) -> R``, or numbered ``1. name(...)`` lines after
-    "Overloaded function."."""
-    doc = getattr(func, "__doc__", None) or ""
-    sigs = []
-    for m in re.finditer(rf"(?m)^\s*(?:\d+\.\s*)?{re.escape(name)}\(", doc):
-        start = m.end()
-        depth, i = 1, start
-        while i < len(doc) and depth:
-            depth += {"(": 1, ")": -1}.get(doc[i], 0)
-            i += 1
-        inner = doc[start : i - 1]
-        if inner.strip() == "*args, **kwargs":
-            continue
-        params = []
-        for part in _split_top(inner):
-            pname = part.split(":", 1)[0].split("=", 1)[0].strip()
-            if pname == "self":
-                continue
-            params.append((pname, "=" in part))
-        sigs.append(params)
-    return sigs
-
-
-def _accepts(params: list[tuple[str, bool]], npos: int, keywords: tuple[str, ...]) -> bool:
-    if npos > len(params):
-        return False
-    rest = params[npos:]
-    names = {n for n, _ in rest}
-    if any(k not in names for k in keywords):
-        return False
-    return all(has_default or n in keywords for n, has_default in rest)
-
-
-def _cython_accepts(func: object, npos: int, keywords: tuple[str, ...]) -> bool:
-    try:
-        inspect.signature(func).bind(*range(npos), **{k: None for k in keywords})  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------- verification
-
-
-def _real_owner(module: object, owner: str) -> object | None:
-    return module if owner == "module" else getattr(module, owner, None)
-
-
-def verify_uses(uses: list[Use], module: object, *, cython: bool) -> list[str]:
-    """Problems of ``uses`` against the real ``module`` (empty: all fine)."""
-    problems = []
-    for use in uses:
-        where = f"line {use.line}: {use.owner}.{use.name}"
-        owner = _real_owner(module, use.owner)
-        if owner is None:
-            problems.append(f"{where}: {use.owner} does not exist")
-            continue
-        members = getattr(owner, "__members__", None)
-        if isinstance(members, dict) and use.kind == "load" and use.owner != "module":
-            if use.name not in members:
-                problems.append(f"{where}: no enum member {use.name} (members: {sorted(members)})")
-            continue
-        try:
-            static = inspect.getattr_static(owner, use.name)
-        except AttributeError:
-            problems.append(f"{where}: does not exist in the real bindings")
-            continue
-        if use.kind == "hasattr":
-            continue
-        if isinstance(static, property):
-            if use.kind == "call":
-                problems.append(f"{where}: is a property, but the code calls it")
-            elif use.kind == "store" and static.fset is None:
-                problems.append(f"{where}: is a read-only property, but the code assigns it")
-            continue
-        if use.kind == "store":
-            problems.append(f"{where}: is not a settable property")
-            continue
-        if use.kind == "load":
-            if use.owner in INSTANCE_CLASSES and callable(static):
-                problems.append(f"{where}: is a method, but the code reads it as an attribute")
-            continue
-        # a call
-        target = getattr(owner, use.name)
-        if cython:
-            if not _cython_accepts(target, use.npos, use.keywords):
-                problems.append(f"{where}: called with {use.npos} positional {list(use.keywords)}; real {inspect.signature(target)}")
-            continue
-        doc_name, doc_obj = (("__init__", target.__init__) if inspect.isclass(target) else (use.name, target))
-        sigs = pybind_signatures(doc_obj, doc_name)
-        if not sigs:
-            problems.append(f"{where}: no signature in the real docstring")
-        elif not any(_accepts(sig, use.npos, use.keywords) for sig in sigs):
-            problems.append(f"{where}: called with {use.npos} positional {list(use.keywords)}; real overloads {sigs}")
-    return problems
-
-
-def declared(api: dict[str, tuple[str, ...]]) -> set[tuple[str, str]]:
-    return {(owner, name) for owner, names in api.items() for name in names}
-
-
-# --------------------------------------------------------------------------- (a) TensorRT
+def test_guard_reads_every_module_of_the_package():
+    assert set(SOURCES) == {"__init__.py", "api.py", "profiles.py", "engine.py", "context.py"}
 
 
 def test_backend_trt_uses_match_declared_list():
-    uses, aliases = collect_uses(SOURCE, TRT_RECEIVERS)
-    assert not aliases
+    uses, aliases = collect_uses(SOURCES, TRT)
+    assert aliases == []
     found = {(u.owner, u.name) for u in uses}
-    assert found == declared(backend.TRT_API), (
-        f"used but not in TRT_API: {sorted(found - declared(backend.TRT_API))}; "
-        f"in TRT_API but unused: {sorted(declared(backend.TRT_API) - found)}"
+    assert found == declared(api.TRT_API), (
+        f"used but not in TRT_API: {sorted(found - declared(api.TRT_API))}; "
+        f"in TRT_API but unused: {sorted(declared(api.TRT_API) - found)}"
     )
 
 
 def test_backend_trt_uses_exist_in_real_lean_bindings():
-    uses, _ = collect_uses(SOURCE, TRT_RECEIVERS)
+    uses, _ = collect_uses(SOURCES, TRT)
     assert len(uses) > 30  # the walk really sees the backend's calls
-    assert verify_uses(uses, real_trt, cython=False) == []
+    assert {u.file for u in uses} >= {"api.py", "profiles.py", "engine.py", "context.py"}
+    assert verify_uses(uses, real_trt, TRT, cython=False) == []
 
 
 def test_declared_trt_api_exists_in_real_lean_bindings():
-    for owner, name in sorted(declared(backend.TRT_API)):
-        real_owner = _real_owner(real_trt, owner)
-        assert real_owner is not None, owner
-        assert hasattr(real_owner, name), f"{owner}.{name} missing in tensorrt_lean {real_trt.__version__}"
+    for owner, name in sorted(declared(api.TRT_API)):
+        owner_obj = real_owner(real_trt, owner)
+        assert owner_obj is not None, owner
+        assert hasattr(owner_obj, name), f"{owner}.{name} missing in tensorrt_lean {real_trt.__version__}"
 
 
 @pytest.mark.parametrize(
@@ -310,31 +117,7 @@ def test_method_signatures_as_the_backend_passes_them():
     assert [("serialized_engine", False)] in sigs
 
 
-# --------------------------------------------------------------------------- (b) CUDA runtime
-
-
-def test_backend_cudart_uses_match_declared_list():
-    uses, _ = collect_uses(SOURCE, CUDART_RECEIVERS)
-    found = {(u.owner, u.name) for u in uses}
-    assert found == declared(backend.CUDART_API), (
-        f"used but not in CUDART_API: {sorted(found - declared(backend.CUDART_API))}; "
-        f"declared but unused: {sorted(declared(backend.CUDART_API) - found)}"
-    )
-
-
-def test_backend_cudart_uses_exist_in_real_cuda_bindings():
-    uses, _ = collect_uses(SOURCE, CUDART_RECEIVERS)
-    assert len(uses) > 20
-    assert verify_uses(uses, real_cudart, cython=True) == []
-
-
-def test_cudart_signatures_readable():
-    assert list(inspect.signature(real_cudart.cudaMemcpyAsync).parameters) == ["dst", "src", "count", "kind", "stream"]
-    assert list(inspect.signature(real_cudart.cudaStreamCreateWithFlags).parameters) == ["flags"]
-    assert int(real_cudart.cudaStreamNonBlocking) == 1
-
-
-# --------------------------------------------------------------------------- (c) the fake is a subset of the real API
+# --------------------------------------------------------------------------- the fake is a subset of the real API
 
 
 def _params(func: object) -> list[str]:
@@ -389,46 +172,23 @@ def test_fake_trt_is_subset_of_real_lean_bindings():
     assert problems == []
 
 
-def test_fake_cudart_is_subset_of_real_cuda_bindings():
-    fake = FakeTensorRT().cudart
-    problems = []
-    for attr, value in vars(fake).items():
-        if attr.startswith("__"):
-            continue
-        real = getattr(real_cudart, attr, None)
-        if real is None:
-            problems.append(f"{attr}: not in cuda.bindings.runtime")
-        elif inspect.isclass(value):
-            for member, v in value.__members__.items():
-                if not hasattr(real, member):
-                    problems.append(f"{attr}.{member}: not a real member")
-                elif int(getattr(real, member)) != int(v):
-                    problems.append(f"{attr}.{member}: fake value {int(v)}, real {int(getattr(real, member))}")
-        elif callable(value):
-            if _params(value) != list(inspect.signature(real).parameters):
-                problems.append(f"{attr}{tuple(_params(value))}: real {inspect.signature(real)}")
-        elif int(value) != int(real):
-            problems.append(f"{attr} = {value}, real {int(real)}")
-    assert problems == []
-
-
 def test_fake_covers_every_name_the_backend_uses():
     fake = FakeTensorRT()
-    for owner, name in declared(backend.TRT_API):
+    for owner, name in declared(api.TRT_API):
         obj = fake.trt if owner == "module" else getattr(fake.trt, owner, None)
         assert obj is not None and hasattr(obj, name), f"fake lacks {owner}.{name}"
-    for owner, name in declared(backend.CUDART_API):
-        obj = fake.cudart if owner == "module" else getattr(fake.cudart, owner)
-        assert hasattr(obj, name), f"fake cudart lacks {owner}.{name}"
 
 
-# --------------------------------------------------------------------------- (d) the checker catches drift
+# --------------------------------------------------------------------------- the checker catches drift
+
+
+def _check(source: str) -> tuple[list[str], list[str]]:
+    uses, aliases = collect_uses({"t.py": source}, TRT)
+    return verify_uses(uses, real_trt, TRT, cython=False), aliases
 
 
 def test_checker_reports_a_renamed_method():
-    source = "def run(trt_context, stream):\n    return trt_context.execute_async_v2(stream)\n"
-    uses, _ = collect_uses(source, TRT_RECEIVERS)
-    problems = verify_uses(uses, real_trt, cython=False)
+    problems, _ = _check("def run(trt_context, stream):\n    return trt_context.execute_async_v2(stream)\n")
     assert len(problems) == 1 and "IExecutionContext.execute_async_v2" in problems[0]
     assert "does not exist" in problems[0]
 
@@ -443,32 +203,43 @@ def test_checker_reports_wrong_arguments_properties_and_enums():
         "    m = cuda_engine.get_tensor_name\n"  # method read as attribute
         "    t = trt.DataType.FLOAT16\n"  # no such member (it is HALF)
     )
-    uses, _ = collect_uses(source, TRT_RECEIVERS)
-    problems = verify_uses(uses, real_trt, cython=False)
+    problems, _ = _check(source)
     text = "\n".join(problems)
     assert len(problems) == 6, text
     for needle in ("execute_async_v3", "set_input_shape", "is a property", "read-only", "is a method", "FLOAT16"):
         assert needle in text
 
 
-def test_checker_reports_cudart_drift():
-    source = (
-        "def run(cudart, dst, src, n, kind):\n"
-        "    cudart.cudaMemcpyAsync(dst, src, n, kind)\n"  # stream missing
-        "    cudart.cudaMallocAsync(n)\n"  # wrong arity: (size, hStream)
-        "    cudart.cudaStreamCreateNonBlocking()\n"  # no such function
-        "    e = cudart.cudaError_t.cudaOK\n"  # no such member
-    )
-    uses, _ = collect_uses(source, CUDART_RECEIVERS)
-    problems = verify_uses(uses, real_cudart, cython=True)
-    assert len(problems) == 4, problems
-
-
 def test_checker_reports_aliasing_outside_the_convention():
     source = (
+        "import tensorrt_lean as lean\n"
         "def load(trt, runtime_obj, cuda_engine, plan):\n"
         "    eng = runtime_obj.deserialize_cuda_engine(plan)\n"
         "    ctx, n = cuda_engine, 1\n"
+        "    mod, name = load_trt('auto')\n"
+        "    helper(cuda_engine)\n"  # unknown callee: the engine leaves the checked code
+        "    shapes(cuda_engine)\n"  # known callee, parameter outside the convention
+        "    dtypes = trt.DataType\n"  # enum read as a value: its members would go unchecked
+        "def shapes(engine):\n"
+        "    return engine.get_tensor_shape('x')\n"
     )
-    _, problems = collect_uses(source, TRT_RECEIVERS)
-    assert len(problems) == 2 and "'eng'" in problems[0] and "'ctx'" in problems[1]
+    problems, aliases = _check(source)
+    text = "\n".join(aliases)
+    assert len(aliases) == 6, text
+    for needle in ("'lean'", "'eng'", "'ctx'", "'mod'", "helper", "shapes(engine)"):
+        assert needle in text
+    assert len(problems) == 1 and "DataType" in problems[0] and "read as a value" in problems[0]
+
+
+def test_checker_accepts_passing_along_the_convention():
+    source = (
+        "def load(trt, cuda_engine, spec):\n"
+        "    trt, name = load_trt('auto')\n"
+        "    return read(cuda_engine, spec), hasattr(cuda_engine, 'get_engine_stat'), tname(trt, 0)\n"
+        "def read(cuda_engine, spec):\n"
+        "    return cuda_engine.get_tensor_profile_shape(spec, 0)\n"
+        "def tname(trt, t):\n"
+        "    return trt.DataType.FLOAT\n"
+    )
+    problems, aliases = _check(source)
+    assert aliases == [] and problems == []

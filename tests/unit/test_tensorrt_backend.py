@@ -1,5 +1,5 @@
 """The TensorRT backend end to end on the stand-in hardware (tests/fake_tensorrt.py), its pure helpers, and the
-pure parts of the plan builder (engines/trt_build.py) including its CLI without TensorRT."""
+pure parts of the plan builder (engines/trt_build) including its CLI without TensorRT."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 import engines.tensorrt as backend
 import engines.trt_build as tb
 from engines.base import EngineError, TensorSpec
+from engines.cuda import CudaError, Graph, use_runtime
 from engines.tensorrt import TensorRTEngine, TensorRTError
+from engines.tensorrt import api as trt_api
 from fake_tensorrt import FakeTensorRT, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,9 +44,9 @@ def expected(*inputs: np.ndarray, per_row: int = 5, dtype=np.float32) -> np.ndar
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeTensorRT()
-    monkeypatch.setattr(backend, "_trt", f.trt)
-    monkeypatch.setattr(backend, "_cudart", f.cudart)
-    return f
+    monkeypatch.setattr(trt_api, "_trt", f.trt)
+    with use_runtime(f.cudart):
+        yield f
 
 
 @pytest.fixture
@@ -210,19 +212,19 @@ def test_no_gpu_fails_before_tensorrt_is_touched(fake, tmp_path):
     fake.gpu.device_count = 0
     path = tmp_path / "m.plan"
     path.write_bytes(make_plan(image_spec()))
-    with pytest.raises(TensorRTError, match="cudaGetDeviceCount.*cudaErrorNoDevice"):
+    with pytest.raises(CudaError, match="cudaGetDeviceCount.*cudaErrorNoDevice"):
         TensorRTEngine(path)
     assert "runtime created" not in fake.gpu.events  # the real Runtime(logger) segfaults without a driver
 
 
 def test_device_out_of_range(load):
-    with pytest.raises(TensorRTError, match="device 3 does not exist"):
+    with pytest.raises(CudaError, match="device 3 does not exist"):
         load(device_id=3)
 
 
 def test_unknown_runtime():
     with pytest.raises(EngineError, match="runtime must be one of"):
-        backend._load_trt("tensorrt")
+        trt_api.load_trt("tensorrt")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="full TensorRT is installed here")
@@ -365,17 +367,36 @@ def test_execute_false_is_typed_and_context_stays_usable(load, fake):
 def test_cuda_error_is_typed_with_function_and_error_name(load, fake):
     ctx = load().create_context()
     fake.gpu.inject["cudaMemcpyAsync"] = fake.cudart.cudaError_t.cudaErrorInvalidValue
-    with pytest.raises(TensorRTError, match="cudaMemcpyAsync H2D 'x'.*cudaErrorInvalidValue"):
+    with pytest.raises(CudaError, match="cudaMemcpyAsync H2D 'x'.*cudaErrorInvalidValue"):
         ctx.execute({"x": rand(2, 3, 4, 4)})
     x = rand(2, 3, 4, 4)
     np.testing.assert_allclose(ctx.execute({"x": x})["y"], expected(x), rtol=1e-6)
+
+
+def test_execute_async_v3_captured_into_a_cuda_graph_replays_on_new_data(load, fake):
+    """The layer is enough for TensorRT's CUDA-graph recipe: one warm-up enqueue per input shape, then capture."""
+    ctx = load().create_context()
+    ctx.execute({"x": rand(4, 3, 4, 4)})  # warm-up: input shapes set, tensor addresses bound
+    stream = ctx._stream
+    graph = Graph.capture(stream, lambda: ctx._trt_context.execute_async_v3(stream.ptr))
+    ran = len(fake.gpu.executions)
+    x = rand(4, 3, 4, 4, seed=5)
+    np.copyto(ctx.host_buffer("x", x.shape, x.dtype), x)
+    ctx._device["x"].copy_from_host_async(ctx._pinned["x"].ptr, x.nbytes, stream)
+    graph.launch(stream)
+    ctx._device["y"].copy_to_host_async(ctx._pinned["y"].ptr, 4 * 5 * 4, stream)
+    stream.synchronize()
+    assert fake.gpu.executions[ran:] == [{"x": (4, 3, 4, 4)}]
+    np.testing.assert_allclose(ctx._pinned["y"].view((4, 5), np.float32), expected(x), rtol=1e-6)
+    graph.destroy()
+    ctx.release()
 
 
 def test_failed_context_creation_frees_what_it_took(load, fake):
     eng = load()
     before = dict(fake.gpu.counts())
     fake.gpu.inject["cudaMallocHost"] = fake.cudart.cudaError_t.cudaErrorMemoryAllocation
-    with pytest.raises(TensorRTError, match="cudaMallocHost.*cudaErrorMemoryAllocation"):
+    with pytest.raises(CudaError, match="cudaMallocHost.*cudaErrorMemoryAllocation"):
         eng.create_context()
     assert fake.gpu.counts() == before
     eng.create_context()  # and the engine still works
@@ -573,9 +594,9 @@ def test_calibration_batches_and_digest(tmp_path):
 
 
 def test_cached_build_reuses_the_plan(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(tb, "_trt", SimpleNamespace(__version__="10.13.0"))
+    monkeypatch.setattr(tb.build, "_trt", SimpleNamespace(__version__="10.13.0"))
     built = []
-    monkeypatch.setattr(tb, "build_plan", lambda data, options, onnx_path=None: built.append(data) or b"PLAN")
+    monkeypatch.setattr(tb.build, "build_plan", lambda data, options, onnx_path=None: built.append(data) or b"PLAN")
     onnx_path = tmp_path / "m.onnx"
     onnx_path.write_bytes(b"model")
     opts = tb.BuildOptions(profiles=PROFILE)

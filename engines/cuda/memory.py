@@ -1,0 +1,183 @@
+"""Host and device memory: pinned staging buffers, device buffers, registered host ranges, IPC-opened device
+memory, and asynchronous copies between them.
+
+Sizes are bytes; pointers are integer addresses. A copy from or to host memory is real asynchronous DMA only when
+the host side is page-locked (:class:`PinnedBuffer` or a :class:`HostRegistration`); the host memory must then stay
+untouched until the stream has been synchronized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .runtime import CudaError, check, runtime, take
+from .stream import Stream
+
+#: Bytes of a ``cudaIpcMemHandle_t`` (``CU_IPC_HANDLE_SIZE``), as Triton's CUDA shared-memory extension sends it.
+IPC_HANDLE_BYTES = 64
+
+
+def host_array(ptr: int, nbytes: int) -> np.ndarray:
+    """A writable ``uint8`` numpy view (no copy) of ``nbytes`` bytes of host memory at address ``ptr``; it does not
+    keep the memory alive."""
+    if nbytes <= 0:
+        return np.zeros(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream, label: str = "") -> None:
+    """Queue a copy of ``nbytes`` bytes from ``src`` to ``dst`` on ``stream`` (``cudaMemcpyAsync``).
+
+    Args:
+        direction: ``"H2D"`` (host to device), ``"D2H"`` or ``"D2D"``.
+        label: what is copied (e.g. the tensor's name), for the error message.
+
+    Raises:
+        CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
+            ``"cudaMemcpyAsync <direction> <label> <nbytes> B failed: <error>"``.
+        ValueError: unknown ``direction``.
+    """
+    cudart = runtime()
+    kinds = {
+        "H2D": cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
+        "D2H": cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+        "D2D": cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+    }
+    if direction not in kinds:
+        raise ValueError(f"direction must be one of {sorted(kinds)}, got {direction!r}")
+    what = " ".join(part for part in ("cudaMemcpyAsync", direction, label, f"{nbytes} B") if part)
+    check(cudart.cudaMemcpyAsync(dst, src, nbytes, kinds[direction], stream.handle), what)
+
+
+class PinnedBuffer:
+    """Page-locked host memory (``cudaMallocHost``) of ``nbytes`` bytes (at least 1), viewable as numpy arrays
+    without copies.
+
+    Attributes:
+        ptr: address of the first byte (0 once freed).
+        nbytes: bytes allocated (``max(1, nbytes)``).
+        array: ``uint8`` view of all of it (empty once freed).
+
+    Raises (constructor):
+        CudaError: out of pinned memory, or CUDA unusable.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(1, int(nbytes))
+        self.ptr = int(check(runtime().cudaMallocHost(self.nbytes), f"cudaMallocHost({self.nbytes})"))
+        self.array = host_array(self.ptr, self.nbytes)
+
+    def view(self, shape: tuple[int, ...], dtype: np.dtype | type | str) -> np.ndarray:
+        """A writable array of ``shape``/``dtype`` over the buffer's first bytes.
+
+        Raises:
+            CudaError: it does not fit (or the buffer was freed).
+        """
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape)) * dtype.itemsize
+        if count > self.array.size:
+            raise CudaError(f"pinned buffer of {self.array.size} bytes cannot hold {count}")
+        return self.array[:count].view(dtype).reshape(shape)
+
+    def free(self) -> None:
+        """Free the memory (``cudaFreeHost``; CudaError if refused); its views are invalid afterwards. Idempotent."""
+        self.array = np.zeros(0, np.uint8)  # drop the view before its memory goes
+        for ptr in take(self, "ptr", 0):
+            check(runtime().cudaFreeHost(ptr), f"cudaFreeHost({ptr:#x})")
+
+
+class DeviceBuffer:
+    """Device memory (``cudaMalloc``) of ``nbytes`` bytes (at least 1: ``cudaMalloc(0)`` gives no usable address)
+    on the calling thread's current device.
+
+    Attributes:
+        ptr: device address (0 once freed).
+        nbytes: bytes allocated (``max(1, nbytes)``).
+
+    Raises (constructor):
+        CudaError: out of device memory (``cudaErrorMemoryAllocation``), or CUDA unusable.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(1, int(nbytes))
+        self.ptr = int(check(runtime().cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes})"))
+
+    def copy_from_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "") -> None:
+        """Queue ``nbytes`` from host address ``host_ptr`` to the start of this buffer (see :func:`memcpy_async`)."""
+        memcpy_async(self.ptr, host_ptr, nbytes, "H2D", stream, label)
+
+    def copy_to_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "") -> None:
+        """Queue ``nbytes`` from the start of this buffer to host address ``host_ptr`` (see :func:`memcpy_async`)."""
+        memcpy_async(host_ptr, self.ptr, nbytes, "D2H", stream, label)
+
+    def free(self) -> None:
+        """Free the memory (``cudaFree``, which synchronizes the device; CudaError if refused). Idempotent."""
+        for ptr in take(self, "ptr", 0):
+            check(runtime().cudaFree(ptr), f"cudaFree({ptr:#x})")
+
+
+class HostRegistration:
+    """An existing host range page-locked in place (``cudaHostRegister``), so host-to-device copies read it by DMA
+    without a staging copy: e.g. a shared-memory slot that clients write and the server sends to the device.
+
+    Args:
+        ptr: address of the first byte (for a ``SharedMemory`` ``shm``: ``np.frombuffer(shm.buf, np.uint8)
+            .ctypes.data``); the memory must stay mapped until :meth:`unregister`.
+        nbytes: length of the range in bytes (> 0).
+        read_only: the device only reads it (``cudaHostRegisterReadOnly``; needs a device that supports it);
+            default ``cudaHostRegisterDefault``.
+
+    Raises (constructor):
+        CudaError: CUDA refused (already registered, ``nbytes`` 0, flag unsupported).
+    """
+
+    def __init__(self, ptr: int, nbytes: int, *, read_only: bool = False) -> None:
+        cudart = runtime()
+        flags = cudart.cudaHostRegisterReadOnly if read_only else cudart.cudaHostRegisterDefault
+        check(cudart.cudaHostRegister(ptr, nbytes, flags), f"cudaHostRegister({ptr:#x}, {nbytes}, {int(flags)})")
+        self.ptr, self.nbytes = int(ptr), int(nbytes)
+
+    def unregister(self) -> None:
+        """Undo the registration (``cudaHostUnregister``); the memory stays the caller's. Idempotent.
+
+        Raises:
+            CudaError: CUDA refused (``cudaErrorHostMemoryNotRegistered``: unregistered behind our back).
+        """
+        for ptr in take(self, "ptr", 0):
+            check(runtime().cudaHostUnregister(ptr), f"cudaHostUnregister({ptr:#x})")
+
+
+class IpcMemory:
+    """Device memory of another process, opened from its IPC handle (``cudaIpcOpenMemHandle`` with
+    ``cudaIpcMemLazyEnablePeerAccess``), as Triton's CUDA shared-memory extension registers a client's region.
+
+    Args:
+        handle: the ``IPC_HANDLE_BYTES`` (64) raw bytes of the exporter's ``cudaIpcMemHandle_t``
+            (``cudaIpcGetMemHandle``; Triton clients send them base64-encoded).
+        nbytes: size of the region in bytes, as the client declares it (CUDA does not report it).
+
+    Attributes:
+        ptr: device address of the region in this process (0 once closed); a copy with ``direction="D2D"``
+            (:func:`memcpy_async`) or a tensor address can use it directly.
+
+    Raises (constructor):
+        CudaError: ``handle`` is not 64 bytes, or CUDA refused (handle of this same process, exporter gone,
+            ``cudaErrorInvalidResourceHandle``).
+    """
+
+    def __init__(self, handle: bytes, nbytes: int) -> None:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise CudaError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        cudart = runtime()
+        ipc_handle = cudart.cudaIpcMemHandle_t()
+        ctypes.memmove(ipc_handle.getPtr(), bytes(handle), IPC_HANDLE_BYTES)
+        flags = cudart.cudaIpcMemLazyEnablePeerAccess
+        self.ptr = int(check(cudart.cudaIpcOpenMemHandle(ipc_handle, flags), "cudaIpcOpenMemHandle"))
+        self.nbytes = int(nbytes)
+
+    def close(self) -> None:
+        """Unmap the region (``cudaIpcCloseMemHandle``; CudaError if refused); the exporter keeps its memory."""
+        for ptr in take(self, "ptr", 0):
+            check(runtime().cudaIpcCloseMemHandle(ptr), f"cudaIpcCloseMemHandle({ptr:#x})")
