@@ -1,5 +1,5 @@
 """batcher/model_repository.py: a Triton/KServe repository layout turned into config entries (in-process; the model
-files are placeholders: scanning and validation do not open them; tests/integration/test_model_repository.py serves
+files are placeholders: scanning and validation do not open them; tests/integration/test_serve_repository.py serves
 real ones)."""
 
 from __future__ import annotations
