@@ -10,7 +10,8 @@ For every served version of every CRD it writes ``OUT_DIR/<group>/<kind lowercas
 * ``additionalProperties: false`` on each object that lists ``properties`` and neither sets
   ``additionalProperties`` nor ``x-kubernetes-preserve-unknown-fields``: the API server prunes unknown fields
   silently, so a misspelt key would otherwise pass; here it is an error (as ``kubectl apply --validate=strict``);
-* ``apiVersion`` and ``kind`` pinned to the CRD's group/version and kind, and both plus ``metadata`` required.
+* ``apiVersion`` and ``kind`` pinned to the CRD's group/version and kind, and both plus ``metadata`` (an object)
+  required.
 
 The ``x-kubernetes-*`` keywords stay; JSON Schema validators ignore unknown keywords.
 """
@@ -47,6 +48,7 @@ def convert(crd: dict) -> dict[str, dict]:
         props = schema.setdefault("properties", {})
         props["apiVersion"] = {"type": "string", "enum": [f"{group}/{version['name']}"]}
         props["kind"] = {"type": "string", "enum": [kind]}
+        props.setdefault("metadata", {"type": "object"})  # some CRDs (Istio's) leave it out of their schema
         schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
         schema = {"$schema": "http://json-schema.org/draft-07/schema#",
                   "title": f"{kind} {group}/{version['name']}", **schema}

@@ -40,6 +40,8 @@ CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): SCHEMAS / "serving.kserve.io/inferenceservice_v1beta1.json",
     ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda.sh/scaledobject_v1alpha1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "monitoring.coreos.com/servicemonitor_v1.json",
+    ("networking.istio.io/v1", "DestinationRule"): SCHEMAS / "networking.istio.io/destinationrule_v1.json",
+    ("networking.istio.io/v1", "VirtualService"): SCHEMAS / "networking.istio.io/virtualservice_v1.json",
 }
 
 
@@ -129,9 +131,11 @@ def test_custom_resources_validate_against_their_crd_schemas(rendered, tmp_path)
                 path = tmp_path / f"{name}-{doc['kind']}.yaml"
                 path.write_text(yaml.safe_dump(doc))
                 instances[CRD_SCHEMAS[doc["apiVersion"], doc["kind"]]].append(path)
-    for path in sorted((DEPLOY / "kserve").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        instances[CRD_SCHEMAS[doc["apiVersion"], doc["kind"]]].append(path)
+    for path in sorted((DEPLOY / "kserve").glob("*.yaml")) + sorted((DEPLOY / "routing").glob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            single = tmp_path / f"{path.parent.name}-{path.stem}-{i}.yaml"
+            single.write_text(yaml.safe_dump(doc))
+            instances[CRD_SCHEMAS[doc["apiVersion"], doc["kind"]]].append(single)
     assert all(instances.values()), {k.name: v for k, v in instances.items()}  # each schema checks something
     for schema, paths in instances.items():
         r = _run(_tool("check-jsonschema"), "--schemafile", str(schema), *map(str, paths))
@@ -276,6 +280,18 @@ def test_autoscalers_target_the_deployment_and_the_queue(rendered):
     adapter = yaml.safe_load((DEPLOY / "autoscaling" / "prometheus-adapter-values.yaml").read_text())
     assert metric["pods"]["metric"]["name"] == adapter["rules"]["custom"][0]["name"]["as"]
     assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "50m"}
+
+
+def test_routing_example_balances_on_least_request_and_retries_503_within_a_budget():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "routing" / "istio.yaml").read_text())}
+    host = f"{FULLNAME}.{NAMESPACE}.svc.cluster.local"
+    rule = docs["DestinationRule"]["spec"]
+    assert rule["host"] == host and rule["trafficPolicy"]["loadBalancer"]["simple"] == "LEAST_REQUEST"
+    assert 0 < rule["trafficPolicy"]["retryBudget"]["percent"] <= 20
+    (route,) = docs["VirtualService"]["spec"]["http"]
+    assert "503" in route["retries"]["retryOn"].split(",") and route["retries"]["retryIgnorePreviousHosts"] is True
+    svc = one(render(), "Service")
+    assert route["route"][0]["destination"] == {"host": host, "port": {"number": svc["spec"]["ports"][0]["port"]}}
 
 
 def test_kserve_runtime_serves_the_mounted_repository_on_v2():
