@@ -35,7 +35,7 @@ import yaml
 
 from bench.server import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana-dashboard.json"
 ALERTS = ROOT / "configs" / "prometheus-alerts.yml"
 PROMETHEUS_CONFIG = ROOT / "configs" / "prometheus.yml"
