@@ -149,6 +149,15 @@ def test_custom_resources_validate_against_their_crd_schemas(rendered, tmp_path)
     assert r.returncode == 1 and "pollInterval" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("name", list(VALUES))
+def test_helm_lint_strict_finds_no_warning(name):
+    import helm_python as helm
+
+    report = helm.lint(str(CHART), VALUES[name], strict=True, kube_version="v1.30.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report  # info ("icon is recommended") only
+
+
 def test_values_schema_rejects_bad_values():
     import helm_python as helm
 
