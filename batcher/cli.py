@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", metavar="PATH",
                    help="YAML config (default: the embedded configs/default.yaml: three PP-OCR models and the "
                         "seed models tiny_cnn, mid_cnn, resnet18 on CPU)")
+    s.add_argument("--model-repository", metavar="DIR",
+                   help="also serve every model in DIR, a Triton/KServe repository (<model>/<version>/model.onnx, "
+                        "optional <model>/config.yaml); without --config only these")
     s.add_argument("--host", help="address to bind (default: the config's server.host, 127.0.0.1)")
     s.add_argument("--port", type=_port, help="TCP port, 0-65535 (default: the config's server.port, 8000)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -36,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Validate a YAML config: types, ranges, references and model paths; with "
                                    "--load also load every model (dims, profile limits, a warm-up run).")
     c.add_argument("path", metavar="PATH", nargs="?", help="YAML config (default: the embedded default)")
+    c.add_argument("--model-repository", metavar="DIR", help="also check the models of DIR, as serve would")
     c.add_argument("--load", action="store_true", help="load each model as serve would, then release it")
 
     b = sub.add_parser("build", help="build a TensorRT plan from an ONNX model (needs TensorRT and a GPU)",
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import load_config
 
     try:
-        config = load_config(getattr(args, "config", None) if args.command == "serve" else args.path)
+        config = load_config(args.config if args.command == "serve" else args.path, args.model_repository)
     except ConfigError as exc:
         print(f"batcher: {exc}", file=sys.stderr)
         return 2

@@ -323,6 +323,9 @@ class ServerConfig(_Strict):
     repository_api: bool = False
     #: when set, repository requests need ``Authorization: Bearer <token>``.
     repository_token: str | None = None
+    #: a directory in Triton's repository layout (``<model>/<version>/model.onnx``, KServe's /mnt/models): every
+    #: model in it is served besides ``models`` (:mod:`batcher.model_repository`); relative to the config file.
+    model_repository: str | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:
@@ -411,15 +414,18 @@ def default_config_text() -> str:
     return importlib.resources.files("configs").joinpath("default.yaml").read_text(encoding="utf-8")
 
 
-def load_config(path: str | Path | None = None) -> Config:
-    """Load and validate a YAML config; ``None`` loads the embedded ``configs/default.yaml``.
+def load_config(path: str | Path | None = None, model_repository: str | None = None) -> Config:
+    """Load and validate a YAML config; ``None`` loads the embedded ``configs/default.yaml`` (no config at all when
+    ``model_repository`` is given). The models of ``model_repository`` or ``server.model_repository`` are added.
 
     A relative model ``path`` is taken relative to the config file's folder (not the current directory).
 
     Raises:
         ConfigError: unreadable file, bad YAML, or invalid values (message names the path and value).
     """
-    if path is None:
+    if path is None and model_repository is not None:
+        text, source = "{}", "<no config>"
+    elif path is None:
         text, source = default_config_text(), "configs/default.yaml"
     else:
         source = str(path)
@@ -431,6 +437,9 @@ def load_config(path: str | Path | None = None) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
+    from .model_repository import add_repository
+
+    data, source = add_repository(data, model_repository, path, source)
     config = parse_config(data, source)
     if path is None:
         return config

@@ -57,7 +57,7 @@ OUTCOME_NAMES = {CLIENT_OVERLOAD: "client-overload", TRANSPORT_ERROR: "transport
 COLUMNS = [
     "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",
     "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "errors_by_status", "client_overload",
-    "peak_inflight", "send_lag_p99_ms", "duration_s",
+    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth",
 ]
 
 COLUMN_DOCS = {
@@ -81,6 +81,8 @@ COLUMN_DOCS = {
     "peak_inflight": "most requests outstanding at once (open: summed over client processes; closed: clients)",
     "send_lag_p99_ms": "p99 of (actual send - scheduled send) in open loop; blank in closed loop",
     "duration_s": "window length",
+    "avg_queue_depth": "requests waiting in the model's queue, time average over the window (Little's law: delta "
+                       "of the queue-time sum from /metrics / seconds between the scrapes); blank if unavailable",
 }
 
 # KServe v2 datatype <-> numpy (little-endian where it matters); BYTES tensors are object arrays of bytes.
@@ -386,6 +388,35 @@ def batch_counters(metrics_text: str | None, model: str, version: str | None = N
     return None
 
 
+def queue_seconds(metrics_text: str | None, model: str, version: str | None = None) -> float | None:
+    """Seconds requests of ``model`` have spent queued so far (ours: ``batcher_queue_duration_seconds_sum``;
+    Triton: ``nv_inference_queue_duration_us``), summed over versions unless ``version``; None if absent."""
+    if not metrics_text:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        samples = [s for fam in text_string_to_metric_families(metrics_text) for s in fam.samples]
+    except Exception:  # noqa: BLE001 - an unparsable endpoint just means no queue depth
+        return None
+    scale = {"batcher_queue_duration_seconds_sum": 1.0, "nv_inference_queue_duration_us": 1e-6,
+             "nv_inference_queue_duration_us_total": 1e-6}
+    found = [s for s in samples if s.name in scale]
+    if not found:
+        return None
+    return sum(s.value * scale[s.name] for s in found
+               if s.labels.get("model") == model and (version is None or s.labels.get("version") == version))
+
+
+def avg_queue_depth(before: tuple[float | None, float], after: tuple[float | None, float]) -> float | None:
+    """Time-average number of queued requests between two ``(queue_seconds, wall time)`` scrapes (Little's law:
+    the queue time accumulated over the interval / its length)."""
+    (q0, t0), (q1, t1) = before, after
+    if q0 is None or q1 is None or t1 <= t0:
+        return None
+    return (q1 - q0) / (t1 - t0)
+
+
 def avg_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     if before is None or after is None:
         return None
@@ -645,17 +676,17 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
             if bar is not None:
                 bar.set_description(f"step {k + 1}/{len(steps)}: {desc}")
 
-            async def scrape_at_window_start(at: float = start_wall + cfg.warmup) -> str | None:
+            async def scrape_at_window_start(at: float = start_wall + cfg.warmup) -> tuple[str | None, float]:
                 await asyncio.sleep(max(0.0, at - time.time()))
-                return await _scrape(meta_session, cfg.metrics_url)
+                return await _scrape(meta_session, cfg.metrics_url), time.time()
 
             before_task = asyncio.create_task(scrape_at_window_start())
             if pool is None:
                 parts = [await run_job(jobs[0])]
             else:
                 parts = await asyncio.gather(*(loop.run_in_executor(pool, _run_job_sync, j) for j in jobs))
-            before = await before_task
-            after = await _scrape(meta_session, cfg.metrics_url)
+            before, before_t = await before_task
+            after, after_t = await _scrape(meta_session, cfg.metrics_url), time.time()
             s = Samples.merge(parts).window(cfg.warmup, span)
             wall = measured_wall(cfg.duration, s.done, cfg.warmup)
             row = {"step": k, "mode": cfg.mode, "concurrency": int(level) if cfg.mode == "closed" else None,
@@ -665,7 +696,9 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
                                send_lags=s.send_lag if cfg.mode == "open" else None),
                    "peak_inflight": s.peak_inflight,
                    "avg_batch_size": avg_batch(batch_counters(before, cfg.model, cfg.version),
-                                               batch_counters(after, cfg.model, cfg.version))}
+                                               batch_counters(after, cfg.model, cfg.version)),
+                   "avg_queue_depth": avg_queue_depth((queue_seconds(before, cfg.model, cfg.version), before_t),
+                                                      (queue_seconds(after, cfg.model, cfg.version), after_t))}
             rows.append(row)
             if bar is not None:
                 bar.set_postfix_str(f"last: {row['achieved_qps']:.1f} req/s, p99 {row['p99_ms']:.1f} ms, "
@@ -732,7 +765,8 @@ def _fmt(v, digits: int = 2) -> str:
     return str(v)
 
 
-_DIGITS = {"offered_qps": 2, "scheduled_qps": 2, "achieved_qps": 2, "avg_batch_size": 2, "duration_s": 3}
+_DIGITS = {"offered_qps": 2, "scheduled_qps": 2, "achieved_qps": 2, "avg_batch_size": 2, "duration_s": 3,
+           "avg_queue_depth": 2}
 
 
 def write_csv(rows: Sequence[dict], path: Path) -> None:
@@ -746,6 +780,7 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
 _TABLE = [("offered", "offered_qps", 1), ("clients", "concurrency", 0), ("achieved", "achieved_qps", 1),
           ("ok", "ok", 0), ("errors", "errors", 0), ("p50 ms", "p50_ms", 2), ("p90 ms", "p90_ms", 2),
           ("p99 ms", "p99_ms", 2), ("max ms", "max_ms", 2), ("avg batch", "avg_batch_size", 2),
+          ("avg queue", "avg_queue_depth", 2),
           ("errors by status", "errors_by_status", 0)]
 
 

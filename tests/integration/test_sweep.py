@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSV_COLUMNS = [
     "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",
     "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "errors_by_status", "client_overload",
-    "peak_inflight", "send_lag_p99_ms", "duration_s",
+    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth",
 ]
 
 
@@ -123,6 +123,25 @@ nv_inference_exec_count{model="m",version="1"} 8
     assert batch_counters(None, "m") is None
     assert sweep.avg_batch((40, 20), (100, 30)) == 6.0
     assert sweep.avg_batch((40, 20), (40, 20)) is None and sweep.avg_batch(None, (1, 1)) is None
+
+
+def test_queue_seconds_and_average_queue_depth():
+    ours = """# TYPE batcher_queue_duration_seconds histogram
+batcher_queue_duration_seconds_sum{model="m",version="1"} 1.5
+batcher_queue_duration_seconds_count{model="m",version="1"} 10.0
+batcher_queue_duration_seconds_sum{model="m",version="2"} 0.5
+batcher_queue_duration_seconds_count{model="m",version="2"} 2.0
+"""
+    assert sweep.queue_seconds(ours, "m") == 2.0
+    assert sweep.queue_seconds(ours, "m", "2") == 0.5
+    assert sweep.queue_seconds(ours, "absent") == 0.0
+    triton = '# TYPE nv_inference_queue_duration_us counter\nnv_inference_queue_duration_us{model="m",version="1"} 3e6\n'
+    assert sweep.queue_seconds(triton, "m") == pytest.approx(3.0)
+    assert sweep.queue_seconds("# TYPE up gauge\nup 1\n", "m") is None and sweep.queue_seconds(None, "m") is None
+    # 12 request-seconds of queueing over 4 seconds: 3 requests waiting on average (Little's law)
+    assert sweep.avg_queue_depth((2.0, 100.0), (14.0, 104.0)) == 3.0
+    assert sweep.avg_queue_depth((None, 100.0), (14.0, 104.0)) is None
+    assert sweep.avg_queue_depth((2.0, 100.0), (14.0, 100.0)) is None
 
 
 # ------------------------------------------------------------------------------------------ inputs, requests
@@ -298,6 +317,7 @@ def test_sweep_against_a_real_server(start_server, tmp_path):
         assert float(r["achieved_qps"]) == pytest.approx(offered, rel=0.30), r
         assert int(r["errors"]) == 0 and r["errors_by_status"] == "" and int(r["client_overload"]) == 0, r
         assert float(r["avg_batch_size"]) >= 1.0, r
+        assert float(r["avg_queue_depth"]) >= 0.0, r
         assert 0 < float(r["p50_ms"]) <= float(r["p90_ms"]) <= float(r["p99_ms"]) <= float(r["max_ms"]), r
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
