@@ -2,8 +2,9 @@
 MLServer), and the parts every bench and test drives load with.
 
 ``python -m bench sweep --url URL --model NAME --rates 50,100,200 --duration 10 --out DIR`` runs one step per
-offered rate and writes ``DIR/sweep.csv``, ``DIR/sweep.png`` (latency percentiles against achieved QPS) and
-``DIR/sweep.json`` (the settings and the rows), and prints the table.
+offered rate and writes ``DIR/sweep.csv`` and ``DIR/sweep.json`` (the settings and the rows) after every step, then
+``DIR/sweep.png`` (latency percentiles against achieved QPS; needs matplotlib, ``pip install -e ".[bench]"``), and
+prints the table.
 
 Open loop (default): requests are sent at scheduled times (``constant`` or ``poisson`` arrivals) whatever the
 server does, and each latency counts from the request's *scheduled* send time to the last byte of its answer, so
@@ -35,6 +36,6 @@ The parts (each imported on its own; this package imports nothing):
 * :mod:`bench.sweep.cli`: ``python -m bench sweep``'s options and main, and :func:`~bench.sweep.cli.sweep_subprocess`
   for benches that run it as a command.
 
-Tested in ``tests/unit/test_sweep_parts.py`` (the parts, the drivers against fake servers, the CLI)
+Tested in ``tests/unit/test_sweep_parts.py`` (the parts, the drivers against fake servers, the CLI without matplotlib)
 and ``tests/integration/test_sweep.py`` (sweeps against a real server).
 """

@@ -46,9 +46,9 @@ DESCRIPTION = bench.sweep.__doc__.split("\n\n")[0] + """
 
 Open loop (default): requests go out at the offered rate whatever the server does; latency counts from each
 request's scheduled send time (no coordinated omission). Closed loop: N clients, each sending its next request
-when the previous one is answered. Writes OUT/sweep.csv, OUT/sweep.png, OUT/sweep.json and prints the table.
-The input comes from the model metadata (GET /v2/models/NAME), from --input-name/--datatype/--shape, or from
---input-file."""
+when the previous one is answered. Writes OUT/sweep.csv and OUT/sweep.json after every step, then OUT/sweep.png
+(needs matplotlib: pip install -e ".[bench]"), and prints the table. The input comes from the model metadata
+(GET /v2/models/NAME), from --input-name/--datatype/--shape, or from --input-file."""
 
 EPILOG = "CSV columns:\n" + "\n".join(f"  {c:<17} {d}" for c, d in COLUMN_DOCS.items() if d) + """
 
@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample tensor(s) sent as they are (include the batch dim): .npy for one input "
                         "(--input-name or the first), .npz for inputs by name; repeatable")
     g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, type=Path, help="directory for sweep.csv, sweep.png and sweep.json")
+    g.add_argument("--out", required=True, type=Path,
+                   help="directory for sweep.csv and sweep.json (written after every step) and sweep.png")
     g.add_argument("--title", default=None, help="plot title (default: model, mode and arrivals)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -193,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     interrupted = False
     try:
-        run_sweep(cfg, body, headers, rows)
+        run_sweep(cfg, body, headers, rows, on_step=lambda done: report.save_sweep(args.out, done, info))
     except KeyboardInterrupt:
         print(f"\ninterrupted: keeping the {len(rows)} finished step(s)", file=sys.stderr)
         interrupted = True
@@ -202,10 +203,10 @@ def main(args: argparse.Namespace) -> int:
 
     title = args.title or (f"{args.model}: {args.mode} loop" + (f", {args.arrivals}" if args.mode == "open" else "")
                            + f", {args.duration:g} s/step, {'JSON' if args.json else 'binary'}")
-    png = report.plot_sweep(rows, args.out / "sweep.png", title)
     written = report.save_sweep(args.out, rows, info)
+    png = report.plot_sweep(rows, args.out / "sweep.png", title)
     print(report.format_table(rows))
-    print(f"wrote {', '.join(str(p) for p in [written[0], png, written[1]])}", file=sys.stderr)
+    print(f"wrote {', '.join(str(p) for p in [written[0], *([png] if png else []), written[1]])}", file=sys.stderr)
     return 130 if interrupted else 0
 
 

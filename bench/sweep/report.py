@@ -1,7 +1,8 @@
 """What a step's samples say and how benches write it down.
 
 Statistics: nearest-rank percentiles, a step's row (:func:`summarize`), average batch sizes from the server's
-Prometheus counters (ours or Triton's). Output: the sweep's ``sweep.csv``/``sweep.json`` and ``sweep.png``, and the
+Prometheus counters (ours or Triton's). Output: the sweep's ``sweep.csv``/``sweep.json`` (written after every
+step) and ``sweep.png`` (skipped, with one line naming the extra to install, when matplotlib is missing), and the
 CSV files and tables (plain text or Markdown) of every other bench.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,6 +50,10 @@ COLUMN_DOCS = {
     "avg_queue_depth": "requests waiting in the model's queue, time average over the window (Little's law: delta "
                        "of the queue-time sum from /metrics / seconds between the scrapes); blank if unavailable",
 }
+
+#: What ``python -m bench sweep`` says when it cannot draw ``sweep.png``.
+NO_MATPLOTLIB = ('sweep.png not drawn: matplotlib is not installed (pip install -e ".[bench]"); sweep.csv and '
+                 'sweep.json are written')
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -282,7 +288,7 @@ _TABLE = [("offered", "offered_qps", 1), ("clients", "concurrency", 0), ("achiev
 
 def save_sweep(out: Path, rows: Sequence[dict], info: dict) -> list[Path]:
     """``out/sweep.csv`` (:data:`COLUMNS`) and ``out/sweep.json`` (``info``: settings, inputs, ...; the column
-    docs; the rows)."""
+    docs; the rows) for the steps so far; called after every step, so an interrupted sweep keeps them."""
     return [write_csv(out / "sweep.csv", rows, COLUMNS, _DIGITS),
             write_json(out / "sweep.json", {**info, "columns": COLUMN_DOCS, "rows": list(rows)})]
 
@@ -294,10 +300,16 @@ def format_table(rows: Sequence[dict]) -> str:
                       last_left=True)
 
 
-def plot_sweep(rows: Sequence[dict], path: Path, title: str) -> Path:
-    """Latency percentiles (log scale) against achieved QPS, and achieved against offered QPS (or clients)."""
-    import matplotlib
+def plot_sweep(rows: Sequence[dict], path: Path, title: str) -> Path | None:
+    """Latency percentiles (log scale) against achieved QPS, and achieved against offered QPS (or clients).
 
+    Returns the PNG's path; without matplotlib, prints :data:`NO_MATPLOTLIB` to stderr and returns None.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(NO_MATPLOTLIB, file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

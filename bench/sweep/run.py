@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.sweep.arrivals import arrival_times
@@ -74,8 +75,8 @@ def _row(cfg: SweepConfig, k: int, level: float, s: Samples, before: tuple[str |
                                                (queue_seconds(after_text, cfg.model, cfg.version), after_t))}
 
 
-async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, bar, rows: list[dict]
-                 ) -> list[dict]:
+async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, bar, rows: list[dict],
+                 on_step: Callable[[list[dict]], None] | None) -> list[dict]:
     import aiohttp
 
     url = infer_url(cfg.url, cfg.model, cfg.version)
@@ -99,6 +100,8 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
             row = _row(cfg, k, level, Samples.merge(parts).window(cfg.warmup, cfg.warmup + cfg.duration), before,
                        after)
             rows.append(row)
+            if on_step is not None:
+                on_step(rows)
             if bar is not None:
                 bar.set_postfix_str(f"last: {row['achieved_qps']:.1f} req/s, p99 {row['p99_ms']:.1f} ms, "
                                     f"{row['errors']} errors")
@@ -113,12 +116,16 @@ async def _ticker(bar, total: float) -> None:
         bar.refresh()
 
 
-async def _sweep_with_progress(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, rows: list[dict]
-                               ) -> list[dict]:
-    if not cfg.progress:
-        return await _sweep(cfg, body, headers, pool, None, rows)
-    from tqdm import tqdm
-
+async def _sweep_with_progress(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, rows: list[dict],
+                               on_step) -> list[dict]:
+    tqdm = None
+    if cfg.progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print('no progress bar: tqdm is not installed (pip install -e ".[bench]")', file=sys.stderr)
+    if tqdm is None:
+        return await _sweep(cfg, body, headers, pool, None, rows, on_step)
     n_steps = len(cfg.rates if cfg.mode == "open" else cfg.concurrency)
     total = n_steps * (cfg.warmup + cfg.duration)
     with tqdm(total=round(total, 1), unit="s", file=sys.stderr, dynamic_ncols=True,
@@ -126,7 +133,7 @@ async def _sweep_with_progress(cfg: SweepConfig, body: bytes, headers: dict[str,
                          "[{elapsed}<{remaining}]{postfix}") as bar:
         tick = asyncio.create_task(_ticker(bar, total))
         try:
-            rows = await _sweep(cfg, body, headers, pool, bar, rows)
+            rows = await _sweep(cfg, body, headers, pool, bar, rows, on_step)
         finally:
             tick.cancel()
         bar.n = bar.total
@@ -134,11 +141,11 @@ async def _sweep_with_progress(cfg: SweepConfig, body: bytes, headers: dict[str,
     return rows
 
 
-def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list[dict] | None = None
-              ) -> list[dict]:
+def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list[dict] | None = None,
+              on_step: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run every step (rates in open loop, concurrencies in closed loop); one row per step
-    (:data:`bench.sweep.report.COLUMNS`), appended to ``rows`` as each step ends (so an interrupted sweep keeps the
-    finished steps)."""
+    (:data:`bench.sweep.report.COLUMNS`), appended to ``rows`` as each step ends, after which ``on_step(rows)``
+    is called (so an interrupted sweep keeps, and can have saved, the finished steps)."""
     rows = [] if rows is None else rows
     with client_processes(cfg.processes) as pool:
-        return asyncio.run(_sweep_with_progress(cfg, body, headers, pool, rows))
+        return asyncio.run(_sweep_with_progress(cfg, body, headers, pool, rows, on_step))

@@ -1,5 +1,5 @@
-"""`python -m bench sweep` against a real server: the CSV, the plot and the table. The toolkit's parts are tested
-in-process in tests/unit/test_sweep_parts.py."""
+"""`python -m bench sweep` against a real server: the CSV, the plot and the table; and without matplotlib. The
+toolkit's parts are tested in-process in tests/unit/test_sweep_parts.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sweep.report import COLUMNS, read_csv
+from bench.sweep.report import COLUMNS, NO_MATPLOTLIB, read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 8,
@@ -51,3 +51,20 @@ def test_sweep_against_a_real_server(start_server, tmp_path):
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [1, 3, 224, 224]}]
     assert [r["offered_qps"] for r in doc["rows"]] == [20.0, 40.0]
+
+
+def test_sweep_without_matplotlib_writes_csv_and_json_and_exits_0(start_server, tmp_path):
+    """Issue 11: a whole closed-loop sweep on a machine without matplotlib ends with its CSV and JSON, the table,
+    and one line naming the extra to install, exit status 0."""
+    server = start_server({"models": [TINY]})
+    out = tmp_path / "out"
+    no_matplotlib = ("-c", "import sys; sys.modules['matplotlib'] = None; from bench.__main__ import main; "
+                           "sys.exit(main())")
+    proc = _sweep("--url", server.url, "--model", "tiny_cnn", "--mode", "closed", "--concurrency", "1,2",
+                  "--duration", "0.5", "--warmup", "0.1", "--json", "--out", str(out), python=no_matplotlib)
+    assert proc.returncode == 0, proc.stderr
+    assert NO_MATPLOTLIB in proc.stderr.splitlines()
+    assert [r["concurrency"] for r in read_csv(out / "sweep.csv")] == ["1", "2"]
+    assert len(json.loads((out / "sweep.json").read_text())["rows"]) == 2
+    assert not (out / "sweep.png").exists()
+    assert "clients" in proc.stdout and "p99 ms" in proc.stdout

@@ -1,10 +1,12 @@
 """The load toolkit's parts (bench/sweep/): schedules, statistics, requests, the open- and closed-loop drivers
-against fake servers, the report, and the command line; in-process. Sweeps against a real server
+against fake servers, the report without matplotlib, and the command line; in-process. Sweeps against a real server
 are in tests/integration/test_sweep.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 
 import numpy as np
@@ -355,3 +357,53 @@ def test_tables_csv_and_json_of_the_benches(tmp_path):
     assert report.json_safe({"x": [float("inf"), 1.0, {"y": float("nan")}], "p": tmp_path}) == {
         "x": [None, 1.0, {"y": None}], "p": str(tmp_path)}
     assert report.read_csv(raw) == [{"a": "1.23456", "b": "x", "c": ""}, {"a": "nan", "b": "", "c": ""}]
+
+
+def test_report_without_matplotlib_writes_csv_and_json_and_names_the_extra(tmp_path, monkeypatch, capsys):
+    """Issue 11: without matplotlib the sweep's CSV and JSON are written and one line says what to install."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rows = [_row(0, 3.0), _row(1, 6.0)]
+    written = report.save_sweep(tmp_path, rows, {"settings": {"model": "m"}})
+    assert [p.name for p in written] == ["sweep.csv", "sweep.json"]
+    assert report.plot_sweep(rows, tmp_path / "sweep.png", "title") is None
+    assert not (tmp_path / "sweep.png").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib" in err and 'pip install -e ".[bench]"' in err
+    assert len(report.read_csv(tmp_path / "sweep.csv")) == 2
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["settings"] == {"model": "m"} and doc["rows"][1]["offered_qps"] == 6.0
+
+
+def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """Issue 11 through the command line: each step's CSV/JSON are on disk before the next step runs, and a
+    missing matplotlib costs the plot only (one line naming the extra), exit 0."""
+    from bench.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out"
+    seen_on_disk: list[int] = []
+
+    def fake_run_sweep(cfg, body, headers, rows, on_step):
+        assert cfg.rates == [3.0, 6.0] and cfg.model == "m"
+        for k, rate in enumerate(cfg.rates):
+            rows.append(_row(k, rate))
+            on_step(rows)
+            seen_on_disk.append(len(report.read_csv(out / "sweep.csv")))
+        return rows
+
+    def no_server(url, timeout=10.0):
+        raise OSError(f"no server in this test ({url})")
+
+    monkeypatch.setattr(cli, "http_get", no_server)  # no model metadata: the input comes from the options
+    monkeypatch.setattr(cli, "run_sweep", fake_run_sweep)
+    code = main(["sweep", "--url", "127.0.0.1:9", "--model", "m", "--input-name", "x", "--datatype", "FP32",
+                 "--shape", "1,4", "--rates", "3,6", "--duration", "1", "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert seen_on_disk == [1, 2]
+    assert [r["offered_qps"] for r in report.read_csv(out / "sweep.csv")] == ["3.00", "6.00"]
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [1, 4]}] and len(doc["rows"]) == 2
+    assert not (out / "sweep.png").exists()
+    assert [line for line in captured.err.splitlines() if "matplotlib" in line] == [report.NO_MATPLOTLIB]
+    assert "p99 ms" in captured.out  # the table is still printed
