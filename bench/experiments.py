@@ -18,12 +18,12 @@ Numbers depend on the machine and on anything else running on it: compare rows o
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.mlp import write_mlp
+from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.cli import start_sweep_subprocess, sweep_subprocess
 from bench.sweep.report import markdown_table, read_csv, write_csv
@@ -93,7 +93,7 @@ def retention(tmp: Path, mlp: Path, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.experiments", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/experiments"))
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--rates", default="400,800,1200,1600,2000,2400,2800", help="offered rates of the batching sweep")

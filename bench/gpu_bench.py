@@ -17,7 +17,6 @@ What it measures (each part in one run, so ratios compare like with like):
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.report import markdown_table, write_csv
 from bench.sweep.requests import build_request, infer
@@ -170,7 +170,7 @@ def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.nd
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.gpu_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the CSV files")
     p.add_argument("--raw-seconds", type=float, default=3.0, help="tight-loop time per raw batch size")
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per service step")

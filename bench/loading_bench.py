@@ -20,7 +20,6 @@ measuring), instead of the conservative pre-load estimate. The seed measured GPU
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.drivers import drive_closed, http_sender
 from bench.sweep.report import markdown_table, percentile, write_csv
@@ -106,7 +106,7 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.loading_bench", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.loading_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/loading"))
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
     p.add_argument("--budget-mb", type=float, default=200,

@@ -15,11 +15,11 @@ Target (issue): goodput at 2x capacity >= 90% of goodput at capacity, and no res
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.cli import sweep_subprocess
 from bench.sweep.report import markdown_table, write_csv
@@ -29,7 +29,7 @@ MODEL = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "intra_op_threads": 1, "max
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.overload", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/overload"))
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--timeout-ms", type=float, default=200.0, help="each request's deadline")

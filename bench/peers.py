@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess, Subprocess, free_port
 from bench.sweep.arrivals import arrival_times
 from bench.sweep.drivers import Samples, drive_closed, drive_open, http_sender
@@ -495,8 +496,7 @@ def _list(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser("bench.peers", __doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for the CSVs, JSON and server logs")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the generated mlp.onnx and trivial.onnx go (default: $BATCHER_CACHE_DIR/bench or "

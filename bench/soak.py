@@ -18,7 +18,6 @@ Exit 0 when all hold. Writes ``soak.csv`` (samples) and ``soak.json`` (summary).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -30,6 +29,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.drivers import drive_closed
 from bench.sweep.report import write_csv, write_json
@@ -124,7 +124,7 @@ async def soak(server: ServerProcess, duration: float, clients: int, warmup: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.soak", __doc__)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of mixed load")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--warmup", type=float, default=5.0)
