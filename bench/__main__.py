@@ -13,7 +13,7 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "sweep": ("bench.sweep", ("latency against throughput over offered rates (open loop) or client counts "
+    "sweep": ("bench.sweep.cli", ("latency against throughput over offered rates (open loop) or client counts "
                               "(closed loop) against any KServe v2 server: CSV, PNG plot, table")),
 }
 
@@ -24,7 +24,8 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
         prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Load-testing tools for KServe v2 (Triton-compatible) HTTP inference servers.",
         epilog="run 'python -m bench SUBCOMMAND --help' for a subcommand's options; other experiments: "
-               "python -m bench.ocr_e2e, bench.loading_bench, bench.gpu_bench, bench.trt_smoke",
+               "python -m bench.peers, bench.experiments, bench.overload, bench.soak, bench.loading_bench, "
+               "bench.ocr_e2e, bench.gpu_bench, bench.trt_smoke",
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():

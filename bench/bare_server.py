@@ -12,17 +12,12 @@ answer ``{"ready":true}``. No decoding, validation, metrics or logging. Listens 
 
 from __future__ import annotations
 
-import argparse
 import json
-import socket
 import struct
 import sys
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.scripts import add_health_routes, script_parser, serve
+from bench.server import free_port
 
 
 def fixed_response(model: str = "trivial", width: int = 4) -> tuple[bytes, dict[str, str]]:
@@ -44,28 +39,18 @@ def make_app(model: str = "trivial", width: int = 4):
         await request.read()
         return web.Response(body=body, headers=headers)
 
-    async def ready(_: web.Request) -> web.Response:
-        return web.Response(body=b'{"ready":true}', content_type="application/json")
-
     app = web.Application()
     app.router.add_post("/v2/models/{model}/infer", infer)
-    app.router.add_get("/v2/health/live", ready)
-    app.router.add_get("/v2/health/ready", ready)
+    add_health_routes(app)
     return app
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bare_server", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser("bench.bare_server", __doc__)
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
     p.add_argument("--model-name", default="trivial", help="model name in the fixed answer (default: trivial)")
     args = p.parse_args(argv)
-    from aiohttp import web
-
-    port = args.port or free_port()
-    web.run_app(make_app(args.model_name), host="127.0.0.1", port=port, access_log=None, shutdown_timeout=1.0,
-                print=lambda *_: print(f"READY http={port}", flush=True))
+    serve(make_app(args.model_name), args.port or free_port())
     return 0
 
 

@@ -18,34 +18,15 @@ Numbers depend on the machine and on anything else running on it: compare rows o
 
 from __future__ import annotations
 
-import argparse
-import csv
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.mlp import write_mlp
+from bench.scripts import script_parser
 from bench.server import ServerProcess
-
-
-def _sweep(server: ServerProcess, model: str, out: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "bench", "sweep", "--url", server.url, "--model", model, "--out", str(out),
-           "--no-progress", *args]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with (out / "sweep.csv").open() as f:
-        return list(csv.DictReader(f))
-
-
-def _sweep_async(server: ServerProcess, model: str, out: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench", "sweep", "--url", server.url, "--model", model, "--out", str(out),
-           "--no-progress", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-
-
-def _read(out: Path) -> list[dict]:
-    with (out / "sweep.csv").open() as f:
-        return list(csv.DictReader(f))
+from bench.sweep.cli import start_sweep_subprocess, sweep_subprocess
+from bench.sweep.report import markdown_table, read_csv, write_csv
 
 
 def _model(name: str, path: Path, **kw) -> dict:
@@ -59,18 +40,11 @@ def _best_within(rows: list[dict], p99_ms: float) -> dict | None:
     return max(ok, key=lambda r: float(r["achieved_qps"])) if ok else None
 
 
-def _table(rows: list[dict]) -> str:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        w.writeheader()
-        w.writerows(rows)
+def _save(path: Path, title: str, rows: list[dict]) -> list[dict]:
+    """Write ``rows`` to ``path`` (CSV) and print them under ``title`` as a Markdown table."""
+    write_csv(path, rows)
+    print(f"{title}\n{markdown_table(rows)}")
+    return rows
 
 
 def batching(tmp: Path, mlp: Path, args) -> list[dict]:
@@ -78,8 +52,9 @@ def batching(tmp: Path, mlp: Path, args) -> list[dict]:
     for mode in ("on", "off"):
         extra = {} if mode == "on" else {"max_batch_size": 1, "dynamic_batching": {}}
         with ServerProcess({"models": [_model("mlp", mlp, **extra)]}, tmp, name=f"batching-{mode}") as server:
-            steps = _sweep(server, "mlp", tmp / f"batching-{mode}", "--rates", args.rates, "--duration",
-                           str(args.duration), "--warmup", "1", "--arrivals", "poisson", "--max-inflight", "4096")
+            steps = sweep_subprocess(server.url, "mlp", tmp / f"batching-{mode}", "--rates", args.rates,
+                                     "--duration", str(args.duration), "--warmup", "1", "--arrivals", "poisson",
+                                     "--max-inflight", "4096")
         for s in steps:
             rows.append({"batching": mode, "offered_qps": s["offered_qps"], "achieved_qps": s["achieved_qps"],
                          "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"], "avg_batch": s["avg_batch_size"],
@@ -91,8 +66,8 @@ def instances(tmp: Path, mlp: Path, args) -> list[dict]:
     rows = []
     for n in (1, 2, 4):
         with ServerProcess({"models": [_model("mlp", mlp, instance_group=[{"count": n}])]}, tmp, name=f"instances-{n}") as server:
-            s = _sweep(server, "mlp", tmp / f"instances-{n}", "--mode", "closed", "--concurrency", "32",
-                       "--duration", str(args.duration), "--warmup", "1")[0]
+            s = sweep_subprocess(server.url, "mlp", tmp / f"instances-{n}", "--mode", "closed", "--concurrency",
+                                 "32", "--duration", str(args.duration), "--warmup", "1")[0]
         rows.append({"instances": n, "qps": s["achieved_qps"], "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"],
                      "avg_batch": s["avg_batch_size"], "errors": s["errors"]})
     return rows
@@ -102,11 +77,13 @@ def retention(tmp: Path, mlp: Path, args) -> dict:
     cfg = {"models": [_model("mlp_a", mlp), _model("mlp_b", mlp)]}
     closed = ("--mode", "closed", "--concurrency", "16", "--duration", str(args.duration), "--warmup", "1")
     with ServerProcess(cfg, tmp, name="retention") as server:
-        alone = {m: float(_sweep(server, m, tmp / f"alone-{m}", *closed)[0]["achieved_qps"]) for m in ("mlp_a", "mlp_b")}
-        procs = {m: _sweep_async(server, m, tmp / f"together-{m}", *closed) for m in ("mlp_a", "mlp_b")}
+        alone = {m: float(sweep_subprocess(server.url, m, tmp / f"alone-{m}", *closed)[0]["achieved_qps"])
+                 for m in ("mlp_a", "mlp_b")}
+        procs = {m: start_sweep_subprocess(server.url, m, tmp / f"together-{m}", *closed) for m in ("mlp_a", "mlp_b")}
         for p in procs.values():
             p.wait()
-        together = {m: float(_read(tmp / f"together-{m}")[0]["achieved_qps"]) for m in ("mlp_a", "mlp_b")}
+        together = {m: float(read_csv(tmp / f"together-{m}" / "sweep.csv")[0]["achieved_qps"])
+                    for m in ("mlp_a", "mlp_b")}
         live = server.metric("batcher_retention_ratio")
     total_alone, total_together = sum(alone.values()), sum(together.values())
     return {"mlp_a_alone_qps": round(alone["mlp_a"], 1), "mlp_b_alone_qps": round(alone["mlp_b"], 1),
@@ -116,7 +93,7 @@ def retention(tmp: Path, mlp: Path, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.experiments", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/experiments"))
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--rates", default="400,800,1200,1600,2000,2400,2800", help="offered rates of the batching sweep")
@@ -128,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_s)
         mlp = write_mlp(tmp / "mlp.onnx")
         if args.only in (None, "batching"):
-            rows = batching(tmp, mlp, args)
-            _write(args.out / "batching.csv", rows)
-            print("batching on vs off (open loop, Poisson)\n" + _table(rows))
+            rows = _save(args.out / "batching.csv", "batching on vs off (open loop, Poisson)", batching(tmp, mlp, args))
             on = _best_within([r for r in rows if r["batching"] == "on"], args.p99_ms)
             off = _best_within([r for r in rows if r["batching"] == "off"], args.p99_ms)
             if on and off:
@@ -139,13 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"\nat p99 <= {args.p99_ms:g} ms: on {on and on['achieved_qps']}, off {off and off['achieved_qps']}")
         if args.only in (None, "instances"):
-            rows = instances(tmp, mlp, args)
-            _write(args.out / "instances.csv", rows)
-            print("\ninstances (batching on, 32 closed-loop clients)\n" + _table(rows))
+            _save(args.out / "instances.csv", "\ninstances (batching on, 32 closed-loop clients)",
+                  instances(tmp, mlp, args))
         if args.only in (None, "retention"):
-            row = retention(tmp, mlp, args)
-            _write(args.out / "retention.csv", [row])
-            print("\nretention (two models in one process, 16 closed-loop clients each)\n" + _table([row]))
+            _save(args.out / "retention.csv", "\nretention (two models in one process, 16 closed-loop clients each)",
+                  [retention(tmp, mlp, args)])
     return 0
 
 

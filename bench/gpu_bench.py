@@ -17,8 +17,6 @@ What it measures (each part in one run, so ratios compare like with like):
 
 from __future__ import annotations
 
-import argparse
-import csv
 import sys
 import tempfile
 import time
@@ -26,8 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import binary_body, closed_loop
+from bench.scripts import script_parser
 from bench.server import ServerProcess
+from bench.sweep.report import markdown_table, write_csv
+from bench.sweep.requests import build_request, infer
+from bench.sweep.run import SweepConfig, run_sweep
 
 
 def _raw(batch_sizes: list[int], seconds: float) -> list[dict]:
@@ -140,21 +141,16 @@ def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.nd
     }]}
     with ServerProcess(cfg, workdir, name=f"i{instances}-{'on' if batching else 'off'}") as server:
         # correctness through the HTTP path as well
-        import urllib.request
-
-        body, headers = binary_body("input", check_x)
-        req = urllib.request.Request(f"{server.base}/v2/models/resnet18/infer", data=body, headers=headers)
-        with urllib.request.urlopen(req, timeout=60) as r:
-            n = int(r.headers["Inference-Header-Content-Length"])
-            got = np.frombuffer(r.read()[n:], np.float32).reshape(check_want.shape)
+        got = infer(f"{server.base}/v2/models/resnet18/infer", [("input", "FP32", check_x)])["logits"]
         http_diff = float(np.max(np.abs(got - check_want)))
         labels = {"model": "resnet18", "version": "1"}
         inf0 = server.metric("batcher_inference_count_total", **labels)
         exe0 = server.metric("batcher_execution_count_total", **labels)
         x = np.random.default_rng(2).standard_normal((1, 3, 224, 224), dtype=np.float32)
-        body, headers = binary_body("input", x)
-        res = closed_loop(f"{server.base}/v2/models/resnet18/infer", body, headers, concurrency=args.clients,
-                          processes=args.client_processes, warmup_s=args.warmup, duration_s=args.duration)
+        load = SweepConfig(url=server.base, model="resnet18", mode="closed", concurrency=[args.clients],
+                           duration=args.duration, warmup=args.warmup, processes=args.client_processes,
+                           client_timeout_s=60, progress=False)
+        res = run_sweep(load, *build_request([("input", "FP32", x)]))[0]
         m = server.metrics()
         lk = tuple(sorted(labels.items()))
         inf = m[("batcher_inference_count_total", lk)] - inf0
@@ -163,39 +159,25 @@ def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.nd
         phases = [m[(f"batcher_compute_{ph}_seconds_total", lk)] / max(m[("batcher_execution_count_total", lk)], 1)
                   for ph in ("input", "infer", "output")]
         queue_ms = m[("batcher_queue_duration_seconds_sum", lk)] / max(m[("batcher_queue_duration_seconds_count", lk)], 1)
-    errors = int((res.statuses != 200).sum())
     return {
         "instances": instances, "batching": "on" if batching else "off", "clients": args.clients,
-        "qps": round(res.qps(), 1), "p50_ms": round(res.percentile_ms(50), 2), "p99_ms": round(res.percentile_ms(99), 2),
+        "qps": round(res["achieved_qps"], 1), "p50_ms": round(res["p50_ms"], 2), "p99_ms": round(res["p99_ms"], 2),
         "avg_batch": round(inf / exe, 2) if exe else 0.0, "compute_ms_per_batch": round(compute_ms * 1e3, 2),
         "input_ms": round(phases[0] * 1e3, 2), "infer_ms": round(phases[1] * 1e3, 2),
-        "output_ms": round(phases[2] * 1e3, 2), "queue_ms": round(queue_ms * 1e3, 2), "errors": errors, "http_max_abs_diff": http_diff,
+        "output_ms": round(phases[2] * 1e3, 2), "queue_ms": round(queue_ms * 1e3, 2), "errors": res["errors"],
+        "http_max_abs_diff": http_diff,
     }
 
 
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.gpu_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the CSV files")
     p.add_argument("--raw-seconds", type=float, default=3.0, help="tight-loop time per raw batch size")
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per service step")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each service step")
     p.add_argument("--clients", type=int, default=64, help="closed-loop clients")
     p.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over")
-    p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_us with batching on")
+    p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_microseconds with batching on")
     p.add_argument("--instances", default="1,2,4", help="instance counts to sweep")
     p.add_argument("--raw-batches", default="1,8,32,128", help="batch sizes of the raw engine runs")
     p.add_argument("--mode", choices=["inprocess", "multiproc"], default="inprocess",
@@ -215,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         diff = _check()
         print(f"correctness: resnet18 batch 8, CUDA vs CPU max abs diff = {diff:.2e} (limit 1e-3)")
         raw = _raw([int(b) for b in args.raw_batches.split(",")], args.raw_seconds)
-        _write_csv(args.out / "gpu_raw.csv", raw)
-        print("\nraw engine (one context, tight loop, host arrays in/out)\n" + _table(raw))
+        write_csv(args.out / "gpu_raw.csv", raw)
+        print("\nraw engine (one context, tight loop, host arrays in/out)\n" + markdown_table(raw))
         par = [_raw_parallel(32, n, args.raw_seconds, hog) for hog in (False, True) for n in (1, 2, 4)]
-        _write_csv(args.out / "gpu_raw_contexts.csv", par)
-        print("\nraw engine, several contexts each in its own thread (batch 32)\n" + _table(par))
+        write_csv(args.out / "gpu_raw_contexts.csv", par)
+        print("\nraw engine, several contexts each in its own thread (batch 32)\n" + markdown_table(par))
 
     from engines.onnxruntime import OnnxRuntimeEngine
     from engines.zoo import resolve
@@ -240,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["service_over_raw"] = round(row["qps"] / row["raw_rows_per_s_at_avg_batch"], 3)
                 rows.append(row)
                 print(row, flush=True)
-    _write_csv(args.out / f"gpu_service{'' if args.mode == 'inprocess' else '_' + args.mode}.csv", rows)
-    print("\nservice (closed loop, binary tensors, 1 row per request)\n" + _table(rows))
+    write_csv(args.out / f"gpu_service{'' if args.mode == 'inprocess' else '_' + args.mode}.csv", rows)
+    print("\nservice (closed loop, binary tensors, 1 row per request)\n" + markdown_table(rows))
     for inst in sorted({r["instances"] for r in rows}):
         on = next(r for r in rows if r["instances"] == inst and r["batching"] == "on")
         off = next(r for r in rows if r["instances"] == inst and r["batching"] == "off")

@@ -20,35 +20,45 @@ measuring), instead of the conservative pre-load estimate. The seed measured GPU
 
 from __future__ import annotations
 
-import argparse
-import csv
+import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import binary_body
+from bench.scripts import script_parser
 from bench.server import ServerProcess
+from bench.sweep.drivers import drive_closed, http_sender
+from bench.sweep.report import markdown_table, percentile, write_csv
+from bench.sweep.requests import build_request
 
 MODELS = ("tiny_cnn", "mid_cnn", "resnet18")
 MiB = 1 << 20
 
 
+def _latencies_ms(server: ServerProcess, model: str, body: bytes, headers: dict, n: int = 1) -> np.ndarray:
+    """``n`` requests one after the other (one closed-loop client); their latencies in ms.
+
+    Raises:
+        RuntimeError: an answer was not a 200.
+    """
+    async def run():
+        async with http_sender(f"{server.base}/v2/models/{model}/infer", body, headers, connections=1,
+                               timeout_s=120) as send:
+            return await drive_closed(1, send, count=n)
+
+    s = asyncio.run(run())
+    if (s.status != 200).any():
+        raise RuntimeError(f"{model}: statuses {sorted(set(s.status.tolist()))} (see {server.log_path})")
+    return s.latency * 1e3
+
+
 def _infer_ms(server: ServerProcess, model: str, body: bytes, headers: dict) -> float:
-    req = urllib.request.Request(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers)
-    t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"{model}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
-    return (time.perf_counter() - t0) * 1e3
+    return float(_latencies_ms(server, model, body, headers)[0])
 
 
 def _json(server: ServerProcess, path: str, post: bool = False):
@@ -65,7 +75,8 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
     cfg = {"server": server_cfg,
            "models": [{"name": m, "path": f"zoo:{m}", "intra_op_threads": threads,
                        **({"memory_mb": memory_mb[m]} if memory_mb else {})} for m in MODELS]}
-    body, headers = binary_body("input", np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32))
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32)
+    body, headers = build_request([("input", "FP32", x)])
     t0 = time.perf_counter()
     with ServerProcess(cfg, workdir, name=strategy) as server:
         startup_s = time.perf_counter() - t0
@@ -76,7 +87,7 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
             row[f"{m}_first_ms"] = round(_infer_ms(server, m, body, headers), 1)
         if strategy != "lru":
             for m in MODELS:
-                row[f"{m}_p50_ms"] = round(statistics.median(_infer_ms(server, m, body, headers) for _ in range(20)), 1)
+                row[f"{m}_p50_ms"] = round(percentile(_latencies_ms(server, m, body, headers, 20), 50), 1)
         row["rss_hot_mb"] = round(server.rss_mb())
         row["counted_hot_mb"] = round(server.metric("batcher_memory_used_bytes") / MiB)
         rounds, events = [], []
@@ -94,15 +105,8 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
     return {"row": row, "rounds": rounds, "events": events, "index": index}
 
 
-def _table(rows: list[dict]) -> str:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.loading_bench", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.loading_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/loading"))
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
     p.add_argument("--budget-mb", type=float, default=200,
@@ -119,19 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [eager["row"], lazy["row"], lru["row"]]
     print("models' memory measured at load (eager), MB: " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()))
     print(f"\nstrategies (lru budget {budget:.0f} MB; the three models measured {sum(measured.values()):.0f} MB in eager)"
-          "\n" + _table(rows))
-    print("\nlru rounds, latency ms (round 1 = first requests)\n" + _table(lru["rounds"]))
+          "\n" + markdown_table(rows))
+    print("\nlru rounds, latency ms (round 1 = first requests)\n" + markdown_table(lru["rounds"]))
     timeline = [{"t_s": e["time_s"], "event": e["event"], "model": e["model"], "ms": e["duration_ms"],
                  "counted_after_mb": round(e["used_bytes_after"] / MiB), "rss_after_mb": round(e["rss_after_bytes"] / MiB)}
                 for e in lru["events"]]
-    print("\nlru timeline\n" + _table(timeline))
+    print("\nlru timeline\n" + markdown_table(timeline))
     reloads = [e["duration_ms"] for e in lru["events"] if e["event"] == "load"][len(MODELS):]
     if reloads:
         print(f"\nlru reload (load after an eviction) ms: min {min(reloads)}, max {max(reloads)}, n {len(reloads)}")
-    with (args.out / "strategies.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "strategies.csv", rows)
     (args.out / "lru.json").write_text(json.dumps({"budget_mb": budget, "measured_mb": measured,
                                                    "rounds": lru["rounds"], "events": lru["events"]}, indent=1))
     return 0

@@ -13,11 +13,12 @@ separate virtualenv too). The same seed gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from bench.scripts import script_parser
 
 SEED = 20240611
 OPSET = 13
@@ -30,7 +31,6 @@ OUTPUT = "y"
 
 def mlp_model(dims: tuple[int, int, int] = MLP_DIMS, seed: int = SEED):
     """The MLP as an ``onnx.ModelProto``: ``y = Relu(x W1^T + b1) W2^T + b2`` (He-scaled normal weights)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     d_in, d_hidden, d_out = dims
@@ -50,15 +50,11 @@ def mlp_model(dims: tuple[int, int, int] = MLP_DIMS, seed: int = SEED):
         [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", d_out])],
         initializer=[numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"))],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="bench.mlp")
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model)
-    return model
+    return _model(graph)
 
 
 def trivial_model(width: int = TRIVIAL_WIDTH):
     """``y = x + 1`` on FP32 ``[-1, width]``: one Add, so execution costs next to nothing."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
@@ -67,10 +63,29 @@ def trivial_model(width: int = TRIVIAL_WIDTH):
         [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", width])],
         initializer=[numpy_helper.from_array(np.ones(width, np.float32), "one")],
     )
+    return _model(graph)
+
+
+def _model(graph):
+    """The ``onnx.ModelProto`` of ``graph`` at :data:`OPSET` and :data:`IR_VERSION`, checked."""
+    import onnx
+    from onnx import helper
+
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="bench.mlp")
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)
     return model
+
+
+def cpu_session(model_path: str | Path, intra_op_threads: int = 1):
+    """The ONNX Runtime session every peer server runs its model in: CPU, ``intra_op_threads`` intra-op threads,
+    one inter-op thread (onnxruntime is imported here, so PyTriton's virtualenv can use it too)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(model_path), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def _write(model, path: Path) -> Path:
@@ -104,8 +119,7 @@ def reference(x: np.ndarray, dims: tuple[int, int, int] = MLP_DIMS, seed: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.mlp", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser("bench.mlp", __doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for mlp.onnx and trivial.onnx")
     args = p.parse_args(argv)
     for path in (write_mlp(args.out / "mlp.onnx"), write_trivial(args.out / "trivial.onnx")):

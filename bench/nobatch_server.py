@@ -14,27 +14,19 @@ prints ``READY http=PORT`` once listening.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import socket
 import sys
 
 import numpy as np
 
-DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "INT8": np.int8,
-          "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
-ORT_TYPES = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16", "tensor(int64)": "INT64",
-             "tensor(int32)": "INT32", "tensor(int8)": "INT8", "tensor(uint8)": "UINT8", "tensor(bool)": "BOOL"}
+from bench.mlp import cpu_session
+from bench.scripts import READY_BODY, add_health_routes, peer_server_parser, serve
+from bench.server import free_port
+from engines.datatypes import NUMPY_DTYPES, ONNX_TYPES
 
 
 class BadRequest(Exception):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decode(body: bytes, header_len: str | None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -53,7 +45,9 @@ def decode(body: bytes, header_len: str | None) -> tuple[dict, dict[str, np.ndar
     offset = 0
     for inp in head.get("inputs", []):
         try:
-            name, dt, shape = inp["name"], DTYPES[inp["datatype"]], [int(d) for d in inp["shape"]]
+            name, dt, shape = inp["name"], NUMPY_DTYPES[inp["datatype"]], [int(d) for d in inp["shape"]]
+            if dt.kind == "O":
+                raise KeyError(inp["datatype"])  # BYTES: this server takes numeric tensors only
         except (KeyError, TypeError, ValueError):
             raise BadRequest(f"input needs name, a numeric datatype and shape (got {inp!r:.200})") from None
         size = (inp.get("parameters") or {}).get("binary_data_size")
@@ -99,20 +93,16 @@ def encode(model: str, head: dict, outputs: dict[str, np.ndarray], types: dict[s
 
 
 def make_app(model_path: str, model_name: str, intra_op_threads: int):
-    import onnxruntime as ort
     import orjson
     from aiohttp import web
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = intra_op_threads
-    opts.inter_op_num_threads = 1
-    session = ort.InferenceSession(model_path, sess_options=opts, providers=["CPUExecutionProvider"])
+    session = cpu_session(model_path, intra_op_threads)
     ins = {i.name: i for i in session.get_inputs()}
     outs = [o.name for o in session.get_outputs()]
-    types = {o.name: ORT_TYPES.get(o.type, "FP32") for o in session.get_outputs()}
+    types = {o.name: ONNX_TYPES.get(o.type, "FP32") for o in session.get_outputs()}
     meta = orjson.dumps({
         "name": model_name, "versions": ["1"], "platform": "onnxruntime_onnx",
-        "inputs": [{"name": i.name, "datatype": ORT_TYPES.get(i.type, "FP32"),
+        "inputs": [{"name": i.name, "datatype": ONNX_TYPES.get(i.type, "FP32"),
                     "shape": [d if isinstance(d, int) else -1 for d in i.shape]} for i in session.get_inputs()],
         "outputs": [{"name": o.name, "datatype": types[o.name],
                      "shape": [d if isinstance(d, int) else -1 for d in o.shape]} for o in session.get_outputs()],
@@ -127,14 +117,11 @@ def make_app(model_path: str, model_name: str, intra_op_threads: int):
             return err(404, f"unknown model '{request.match_info['model']}' (served: {model_name})")
         return None
 
-    async def ok(_: web.Request) -> web.Response:
-        return web.Response(body=b'{"ready":true}', content_type="application/json")
-
     async def metadata(request: web.Request) -> web.Response:
         return check(request) or web.Response(body=meta, content_type="application/json")
 
     async def model_ready(request: web.Request) -> web.Response:
-        return check(request) or web.Response(body=b'{"ready":true}', content_type="application/json")
+        return check(request) or web.Response(body=READY_BODY, content_type="application/json")
 
     async def infer(request: web.Request) -> web.Response:
         if (bad := check(request)) is not None:
@@ -156,8 +143,7 @@ def make_app(model_path: str, model_name: str, intra_op_threads: int):
         return web.Response(body=data, headers=headers)
 
     app = web.Application(client_max_size=256 << 20)
-    app.router.add_get("/v2/health/live", ok)
-    app.router.add_get("/v2/health/ready", ok)
+    add_health_routes(app)
     app.router.add_get("/v2/models/{model}", metadata)
     app.router.add_get("/v2/models/{model}/ready", model_ready)
     app.router.add_post("/v2/models/{model}/infer", infer)
@@ -165,21 +151,8 @@ def make_app(model_path: str, model_name: str, intra_op_threads: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.nobatch_server", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", required=True, help="ONNX model file")
-    p.add_argument("--model-name", default="mlp", help="served model name (default: mlp)")
-    p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--intra-op-threads", type=int, default=1,
-                   help="ONNX Runtime intra-op threads of the session (default: 1)")
-    args = p.parse_args(argv)
-    from aiohttp import web
-
-    port = args.port or free_port()
-    app = make_app(args.model_path, args.model_name, args.intra_op_threads)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, shutdown_timeout=1.0,
-                print=lambda *_: print(f"READY http={port}", flush=True))
+    args = peer_server_parser("bench.nobatch_server", __doc__).parse_args(argv)
+    serve(make_app(args.model_path, args.model_name, args.intra_op_threads), args.port or free_port())
     return 0
 
 

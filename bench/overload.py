@@ -15,28 +15,21 @@ Target (issue): goodput at 2x capacity >= 90% of goodput at capacity, and no res
 
 from __future__ import annotations
 
-import argparse
-import csv
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
+from bench.sweep.cli import sweep_subprocess
+from bench.sweep.report import markdown_table, write_csv
 
 MODEL = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "intra_op_threads": 1, "max_batch_size": 16,
          "dynamic_batching": {"max_queue_delay_microseconds": 2000, "default_queue_policy": {"max_queue_size": 4096}}}
 
 
-def _sweep(server: ServerProcess, out: Path, *args: str) -> list[dict]:
-    subprocess.run([sys.executable, "-m", "bench", "sweep", "--url", server.url, "--model", "tiny_cnn",
-                    "--out", str(out), "--no-progress", *args], check=True, stdout=subprocess.DEVNULL)
-    with (out / "sweep.csv").open() as f:
-        return list(csv.DictReader(f))
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.overload", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/overload"))
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--timeout-ms", type=float, default=200.0, help="each request's deadline")
@@ -44,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     timeout_us = str(int(args.timeout_ms * 1000))
     with tempfile.TemporaryDirectory() as tmp, ServerProcess({"models": [MODEL]}, Path(tmp), name="overload") as server:
-        cap = _sweep(server, Path(tmp) / "capacity", "--mode", "closed", "--concurrency", "32", "--duration",
-                     str(args.duration), "--warmup", "2", "--timeout-us", timeout_us)[0]
+        common = ("--duration", str(args.duration), "--warmup", "2", "--timeout-us", timeout_us)
+        cap = sweep_subprocess(server.url, "tiny_cnn", Path(tmp) / "capacity", "--mode", "closed", "--concurrency",
+                               "32", *common)[0]
         capacity = float(cap["achieved_qps"])
         rates = f"{capacity:.0f},{2 * capacity:.0f}"
-        rows = _sweep(server, Path(tmp) / "open", "--rates", rates, "--arrivals", "poisson", "--duration",
-                      str(args.duration), "--warmup", "2", "--timeout-us", timeout_us, "--max-inflight", "100000")
+        rows = sweep_subprocess(server.url, "tiny_cnn", Path(tmp) / "open", "--rates", rates, "--arrivals", "poisson",
+                                "--max-inflight", "100000", *common)
         log = server.log()
     out = []
     for load, r in zip(("1x", "2x"), rows):
@@ -58,15 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                     "errors_by_status": r["errors_by_status"], "avg_batch": r["avg_batch_size"]})
     ratio = float(out[1]["goodput_qps"]) / float(out[0]["goodput_qps"])
     late = [r for r in out if r["max_200_ms"] and float(r["max_200_ms"]) > args.timeout_ms]
-    with (args.out / "overload.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(out[0]))
-        w.writeheader()
-        w.writerows(out)
+    write_csv(args.out / "overload.csv", out)
     print(f"capacity (closed loop, 32 clients): {capacity:.1f} req/s, p99 {cap['p99_ms']} ms")
-    keys = list(out[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in out:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+    print(markdown_table(out))
     print(f"goodput at 2x / at 1x = {ratio:.3f} (target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'}); "
           f"200s slower than the {args.timeout_ms:g} ms deadline (client-measured, from the scheduled send): "
           f"{'none' if not late else ', '.join(r['load'] for r in late)}")

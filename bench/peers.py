@@ -18,7 +18,7 @@ threads (``--intra-op-threads``):
   ``/tmp/pytriton-venv/bin/python``). Make one with
   ``python3 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime``.
 
-Per server, with the load tool of ``python -m bench sweep`` (:func:`bench.sweep.run_sweep`), one row ``x`` FP32
+Per server, with the load tool of ``python -m bench sweep`` (:func:`bench.sweep.run.run_sweep`), one row ``x`` FP32
 ``[1, 512]`` per request:
 
 1. closed loop at ``--clients`` (default 1 and 16) for each of ``--encodings`` (JSON tensors, as the reference
@@ -47,23 +47,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import importlib.util
-import json
 import math
 import os
 import platform
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench.server import Subprocess, free_port
+from bench.scripts import script_parser
+from bench.server import ServerProcess, Subprocess, free_port
+from bench.sweep.arrivals import arrival_times
+from bench.sweep.drivers import Samples, drive_closed, drive_open, http_sender
+from bench.sweep.report import percentile, text_table, write_csv, write_json
+from bench.sweep.requests import build_request, infer
+from bench.sweep.run import SweepConfig, run_sweep
 
 DEFAULT_RATES = "100,200,300,400,500,600,700,800,1000,1200,1400,1600,1800,2000,2400,2800,3200,3600,4000"
 DEFAULT_PYTRITON_VENV = Path("/tmp/pytriton-venv/bin/python")
@@ -164,8 +166,6 @@ def ours_config(model_path: Path, name: str, args: argparse.Namespace) -> dict:
 
 def start(kind: str, model_path: Path, model_name: str, workdir: Path, args: argparse.Namespace) -> Running:
     if kind == "ours":
-        from bench.server import ServerProcess
-
         s = ServerProcess(ours_config(model_path, model_name, args), workdir, name=f"ours-{model_name}")
         return Running(kind, s.url, s.proc.pid, s.base + "/metrics", s, model_name)
     port = free_port()
@@ -201,29 +201,25 @@ def log_problems(text: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------- requests
 
 
+def mlp_input(seed: int = 0) -> np.ndarray:
+    """The one-row MLP input every server gets."""
+    return np.random.default_rng(seed).random((1, 512), dtype=np.float32)
+
+
 def mlp_requests(seed: int = 0) -> dict[str, tuple[bytes, dict[str, str]]]:
     """The same one-row MLP request for every server, by encoding."""
-    from bench.sweep import build_request
-
-    x = np.random.default_rng(seed).random((1, 512), dtype=np.float32)
+    x = mlp_input(seed)
     return {"json": build_request([("x", "FP32", x)], binary=False),
             "binary": build_request([("x", "FP32", x)], binary=True)}
 
 
-def check_answer(server: Running, body: bytes, headers: dict[str, str], x_seed: int = 0) -> float:
+def check_answer(server: Running, binary: bool, seed: int = 0) -> float:
     """One request; the max abs difference of ``y`` from the numpy reference (raises on a non-200)."""
     from bench.mlp import reference
 
-    req = urllib.request.Request(f"http://{server.url}/v2/models/{server.model}/infer", data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=30) as r:
-        data, hlen = r.read(), r.headers.get("Inference-Header-Content-Length")
-    head = json.loads(data[:int(hlen)] if hlen else data)
-    out = next(o for o in head["outputs"] if o["name"] == "y")
-    if "data" in out:
-        y = np.asarray(out["data"], np.float32).reshape(out["shape"])
-    else:
-        y = np.frombuffer(data[int(hlen):int(hlen) + out["parameters"]["binary_data_size"]], "<f4").reshape(out["shape"])
-    x = np.random.default_rng(x_seed).random((1, 512), dtype=np.float32)
+    x = mlp_input(seed)
+    y = infer(f"http://{server.url}/v2/models/{server.model}/infer", [("x", "FP32", x)], binary=binary,
+              timeout=30)["y"]
     return float(np.abs(y - reference(x)).max())
 
 
@@ -234,8 +230,6 @@ def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str
              duration: float, warmup: float, processes: int, client_timeout: float) -> dict:
     """One step of the sweep tool (closed: ``level`` clients; open: ``level`` req/s) plus the server's CPU time
     per 200 answer over the measured window (its process tree)."""
-    from bench.sweep import SweepConfig, run_sweep
-
     cfg = SweepConfig(url=server.url, model=server.model, mode=mode,
                       rates=[float(level)] if mode == "open" else [],
                       concurrency=[int(level)] if mode == "closed" else [], duration=duration, warmup=warmup,
@@ -309,13 +303,18 @@ def measure_peer(server: Running, requests: dict, args: argparse.Namespace, step
     enc = args.open_encoding
     passed: list[dict] = []
     failed: dict | None = None
-    for r in rates:
-        row = step(enc, "open", r)
+
+    def open_step(rate: float) -> dict | None:
+        """One open-loop step; the row if it failed, None if it passed."""
+        row = step(enc, "open", rate)
         summary["open"].append(row)
         if passes(row, args.p99_target_ms):
             passed.append(row)
-        else:
-            failed = row
+            return None
+        return row
+
+    for r in rates:
+        if (failed := open_step(r)) is not None:
             break
     if failed is not None and passed:
         lo, hi = passed[-1]["offered_qps"], failed["offered_qps"]
@@ -323,10 +322,7 @@ def measure_peer(server: Running, requests: dict, args: argparse.Namespace, step
             mid = round((lo + hi) / 2)
             if mid in (lo, hi):
                 break
-            row = step(enc, "open", mid)
-            summary["open"].append(row)
-            if passes(row, args.p99_target_ms):
-                passed.append(row)
+            if open_step(mid) is None:
                 lo = mid
             else:
                 hi = mid
@@ -351,51 +347,28 @@ async def _fixed_count(url: str, body: bytes, headers: dict[str, str], load: tup
                        n: int, pid: int) -> dict:
     """``n_warm`` then ``n`` requests at ``load`` (``("closed", clients)`` or ``("open", req/s)``, constant
     arrivals) over one connection pool; the server's CPU seconds around the ``n``."""
-    import aiohttp
-
-    from bench.sweep import arrival_times, drive_open, make_sender
-
     mode, level = load
     limit = int(level) if mode == "closed" else 512
-    conn = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as session:
-        send = make_sender(session, url, body, headers)
+    async with http_sender(url, body, headers, connections=limit, timeout_s=30) as send:
 
-        async def run(count: int) -> tuple[np.ndarray, np.ndarray]:
+        async def run(count: int) -> Samples:
             if mode == "open":
-                s = await drive_open(arrival_times(level, count / level)[:count], send, max_inflight=limit)
-                return s.status, s.latency
-            left = count
-            statuses: list[int] = []
-            lats: list[float] = []
-
-            async def client() -> None:
-                nonlocal left
-                while left > 0:
-                    left -= 1
-                    t = time.perf_counter()
-                    statuses.append(await send())
-                    lats.append(time.perf_counter() - t)
-
-            await asyncio.gather(*(client() for _ in range(int(level))))
-            return np.asarray(statuses), np.asarray(lats)
+                return await drive_open(arrival_times(level, count / level)[:count], send, max_inflight=limit)
+            return await drive_closed(int(level), send, count=count)
 
         await run(n_warm)
         cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-        st, lat = await run(n)
+        s = await run(n)
         cpu1, wall = cpu_seconds(pid), time.perf_counter() - t0
-    ok = int((st == 200).sum())
-    lat_ok = lat[st == 200] * 1e3
+    ok = int((s.status == 200).sum())
+    lat_ok = s.latency[s.status == 200] * 1e3
     return {"requests": n, "ok": ok, "errors": n - ok, "wall_s": wall, "qps": ok / wall if wall else float("nan"),
             "cpu_s": cpu1 - cpu0, "cpu_us_per_req": (cpu1 - cpu0) / ok * 1e6 if ok else float("nan"),
             "cpu_cores": (cpu1 - cpu0) / wall if wall else float("nan"),
-            "p50_ms": float(np.percentile(lat_ok, 50)) if ok else float("nan"),
-            "p99_ms": float(np.percentile(lat_ok, 99)) if ok else float("nan")}
+            "p50_ms": percentile(lat_ok, 50), "p99_ms": percentile(lat_ok, 99)}
 
 
 def measure_frontend(trivial_path: Path, workdir: Path, args: argparse.Namespace) -> list[dict]:
-    from bench.sweep import build_request
-
     x = np.random.default_rng(0).random((1, 4), dtype=np.float32)
     body, headers = build_request([("x", "FP32", x)], binary=True)
     loads = [("closed", float(c)) for c in args.frontend_clients] + [("open", float(r)) for r in args.frontend_rates]
@@ -438,29 +411,6 @@ FRONTEND_COLUMNS = ["server", "load", "requests", "ok", "errors", "request_bytes
 STEP_COLUMNS = ["server", "encoding", "mode", "offered_qps", "concurrency", "achieved_qps", "requests", "ok",
                 "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "cpu_ms_per_req", "cpu_cores",
                 "errors_by_status", "client_overload", "peak_inflight", "send_lag_p99_ms", "duration_s"]
-
-
-def _num(v, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
-def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(columns)
-        for r in rows:
-            w.writerow([_num(r.get(c)) for c in columns])
-
-
-def table(columns: list[tuple[str, str, int]], rows: list[dict]) -> str:
-    cells = [[h for h, _, _ in columns]] + [[_num(r.get(k), d) if d >= 0 else str(r.get(k, ""))
-                                            for _, k, d in columns] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def peer_rows(summaries: dict[str, dict], args: argparse.Namespace, fixed_qps: float | None) -> list[dict]:
@@ -536,17 +486,6 @@ def targets(summaries: dict, peers: list[dict], frontend: list[dict], args: argp
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-def _clean(o):
-    """JSON-safe: nan/inf -> None, recursively."""
-    if isinstance(o, float):
-        return None if math.isnan(o) or math.isinf(o) else o
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
 def _list(kind):
     def parse(text: str) -> list:
         try:
@@ -557,8 +496,7 @@ def _list(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser("bench.peers", __doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for the CSVs, JSON and server logs")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the generated mlp.onnx and trivial.onnx go (default: $BATCHER_CACHE_DIR/bench or "
@@ -635,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     models = args.models_dir or default_models_dir()
     mlp_path, trivial_path = write_mlp(models / "mlp.onnx"), write_trivial(models / "trivial.onnx")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = dict(vars(args))
     settings.update(python=sys.version.split()[0], machine=platform.platform(), cores=os.cpu_count())
     print(f"peers: {', '.join(args.servers)}; MLP 512-2048-512 at {mlp_path}; {os.cpu_count()} cores", flush=True)
 
@@ -649,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] starting", flush=True)
             server = start(name, mlp_path, "mlp", logs, args)
             try:
-                checks[name] = {e: check_answer(server, *requests[e]) for e in requests}
+                checks[name] = {e: check_answer(server, binary=e == "binary") for e in requests}
                 print(f"[{name}] answers match numpy: max abs diff "
                       + ", ".join(f"{e} {v:.2e}" for e, v in checks[name].items()), flush=True)
                 summaries[name] = measure_peer(server, requests, args, steps)
@@ -658,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems[name] = log_problems(server.handle.log())
                 if problems[name]:
                     print(f"[{name}] {len(problems[name])} suspicious log lines, e.g. {problems[name][0][:200]}")
-            write_csv(out / "steps.csv", STEP_COLUMNS, steps)
+            write_csv(out / "steps.csv", steps, STEP_COLUMNS, digits=3)
     fixed_qps = args.fixed_qps
     if fixed_qps is None and summaries:
         common = set(args.rates)
@@ -674,33 +612,33 @@ def main(argv: list[str] | None = None) -> int:
     goals = targets(summaries, peers, frontend, args)
 
     if peers:
-        write_csv(out / "peers.csv", PEER_COLUMNS + [f"{k}_vs_ours" for k in RATIO_OF], peers)
+        write_csv(out / "peers.csv", peers, PEER_COLUMNS + [f"{k}_vs_ours" for k in RATIO_OF], digits=3)
         print("\npeers (MLP 512-2048-512, one row per request; *_vs_ours = server / ours)")
-        print(table([("server", "server", -1), ("enc", "encoding", -1), ("p50@1 ms", "p50_1client_ms", 2),
-                     (f"req/s@{max(args.clients)}", "qps_16clients", 1), (f"p99@{max(args.clients)} ms",
-                                                                            "p99_16clients_ms", 2),
-                     ("cpu ms/req", "cpu_ms_per_req_16clients", 3), ("batch", "avg_batch_16clients", 1),
-                     (f"QPS@p99<={args.p99_target_ms:g}", "qps_at_p99", 1),
-                     (f"p99@{fixed_qps or '-'}/s ms", "p99_at_fixed_qps_ms", 2),
-                     ("p50 vs ours", "p50_1client_ms_vs_ours", 2), ("req/s vs ours", "qps_16clients_vs_ours", 2),
-                     ("QPS@p99 vs ours", "qps_at_p99_vs_ours", 2), ("p99@QPS vs ours", "p99_at_fixed_qps_ms_vs_ours",
-                                                                  2)], peers))
+        print(text_table([
+            ("server", "server", -1), ("enc", "encoding", -1), ("p50@1 ms", "p50_1client_ms", 2),
+            (f"req/s@{max(args.clients)}", "qps_16clients", 1), (f"p99@{max(args.clients)} ms", "p99_16clients_ms", 2),
+            ("cpu ms/req", "cpu_ms_per_req_16clients", 3), ("batch", "avg_batch_16clients", 1),
+            (f"QPS@p99<={args.p99_target_ms:g}", "qps_at_p99", 1),
+            (f"p99@{fixed_qps or '-'}/s ms", "p99_at_fixed_qps_ms", 2),
+            ("p50 vs ours", "p50_1client_ms_vs_ours", 2), ("req/s vs ours", "qps_16clients_vs_ours", 2),
+            ("QPS@p99 vs ours", "qps_at_p99_vs_ours", 2), ("p99@QPS vs ours", "p99_at_fixed_qps_ms_vs_ours", 2),
+        ], peers))
     if frontend:
-        write_csv(out / "frontend.csv", FRONTEND_COLUMNS, frontend)
+        write_csv(out / "frontend.csv", frontend, FRONTEND_COLUMNS, digits=3)
         print("\nfront end (trivial model, binary [1,4] FP32; CPU of the server process)")
-        print(table([("server", "server", -1), ("load", "load", -1), ("ok", "ok", 0), ("req/s", "qps", 1),
-                     ("CPU s", "cpu_s", 2), ("CPU us/req", "cpu_us_per_req", 1), ("cores", "cpu_cores", 2),
-                     ("p50 ms", "p50_ms", 2), ("vs bare", "cpu_vs_bare", 2)], frontend))
+        print(text_table([("server", "server", -1), ("load", "load", -1), ("ok", "ok", 0), ("req/s", "qps", 1),
+                          ("CPU s", "cpu_s", 2), ("CPU us/req", "cpu_us_per_req", 1), ("cores", "cpu_cores", 2),
+                          ("p50 ms", "p50_ms", 2), ("vs bare", "cpu_vs_bare", 2)], frontend))
     if goals:
-        write_csv(out / "targets.csv", ["target", "ours", "peer", "ratio", "met", "note"], goals)
+        write_csv(out / "targets.csv", goals, ["target", "ours", "peer", "ratio", "met", "note"], digits=3)
         print("\ntargets")
         for g in goals:
             print(f"  {'MET    ' if g['met'] else 'NOT MET'}  {g['target']}: ours {g['ours']:.3f}, peer "
                   f"{g['peer']:.3f}, ratio {g['ratio']:.3f}" + (f" ({g['note']})" if g["note"] else ""))
-    (out / "peers.json").write_text(json.dumps(_clean({
+    write_json(out / "peers.json", {
         "settings": settings, "fixed_qps": fixed_qps, "answer_max_abs_diff": checks, "summaries": summaries,
         "peers": peers, "frontend": frontend, "targets": goals, "log_problems": problems,
-    }), indent=1, default=str))
+    })
     print(f"\nwrote {', '.join(str(out / f) for f in ('peers.csv', 'steps.csv', 'frontend.csv', 'targets.csv', 'peers.json') if (out / f).exists())}")
     return 0
 

@@ -21,16 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import sysconfig
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.scripts import peer_server_parser  # these two: the standard library only (PyTriton's own virtualenv)
+from bench.server import free_port
 
 
 def python_lib_dir() -> str:
@@ -52,13 +48,11 @@ def make_infer(model_path: str, intra_op_threads: int):
     """An ``@batch`` inference callable running ``model_path`` in one ONNX Runtime CPU session, plus the
     model's input/output (name, per-row shape) lists."""
     import numpy as np
-    import onnxruntime as ort
     from pytriton.decorators import batch
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = intra_op_threads
-    opts.inter_op_num_threads = 1
-    session = ort.InferenceSession(model_path, sess_options=opts, providers=["CPUExecutionProvider"])
+    from bench.mlp import cpu_session
+
+    session = cpu_session(model_path, intra_op_threads)
     ins = [(i.name, tuple(int(d) if isinstance(d, int) else -1 for d in i.shape[1:])) for i in session.get_inputs()]
     outs = [(o.name, tuple(int(d) if isinstance(d, int) else -1 for d in o.shape[1:]))
             for o in session.get_outputs()]
@@ -115,18 +109,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pytriton_server", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", required=True, help="ONNX model file (FP32 inputs with a leading batch dim)")
-    p.add_argument("--model-name", default="mlp", help="served model name (default: mlp)")
-    p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
+    p = peer_server_parser("bench.pytriton_server", __doc__)
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port on 127.0.0.1 (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="metrics port on 127.0.0.1 (default: a free one)")
     p.add_argument("--max-batch-size", type=int, default=32, help="Triton max_batch_size (default: 32)")
     p.add_argument("--max-queue-delay-us", type=int, default=500,
                    help="dynamic batcher max_queue_delay_microseconds (default: 500)")
-    p.add_argument("--intra-op-threads", type=int, default=1,
-                   help="ONNX Runtime intra-op threads of each session (default: 1)")
     p.add_argument("--instances", type=int, default=1, help="inference callables (model instances) (default: 1)")
     p.add_argument("--http-threads", type=int, default=0,
                    help="tritonserver --http-thread-count (default: Triton's own)")

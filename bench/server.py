@@ -1,4 +1,9 @@
-"""Start and stop a real `batcher serve` process on 127.0.0.1 (used by the benches and the tests)."""
+"""Start and stop real servers on 127.0.0.1 for the benches (the tests' fixtures in ``tests/conftest.py`` use it
+too): :class:`Subprocess` for any server command, :class:`ServerProcess` for ``batcher serve`` with a config.
+
+Only the standard library at import time (``yaml`` and ``prometheus_client`` are imported where used), so the
+peer servers that run from their own virtualenv (``bench/pytriton_server.py``) can take :func:`free_port` from here.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def proc_status(pid: int, key: str) -> int:
+    """The number of a ``/proc/<pid>/status`` line (Linux), e.g. ``VmRSS`` (kB) or ``Threads``."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {key} line in /proc/{pid}/status")
 
 
 class Subprocess:
@@ -70,6 +81,8 @@ class Subprocess:
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of /metrics as {(sample name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
             text = r.read().decode()
         return {
@@ -83,12 +96,12 @@ class Subprocess:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def rss_mb(self) -> float:
-        """The server process's resident memory in MiB (Linux ``/proc/<pid>/status`` VmRSS)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS line")
+        """The server process's resident memory in MiB."""
+        return proc_status(self.proc.pid, "VmRSS") / 1024
+
+    def threads(self) -> int:
+        """The server process's thread count."""
+        return proc_status(self.proc.pid, "Threads")
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL to the process group after 30 s; returns the exit code."""
@@ -128,6 +141,8 @@ class ServerProcess(Subprocess):
         port = free_port()
         cmd = [sys.executable, "-m", "batcher", "serve", "--port", str(port)]
         if isinstance(config, dict):
+            import yaml
+
             path = workdir / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config))
             cmd += ["--config", str(path)]

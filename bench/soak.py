@@ -18,9 +18,7 @@ Exit 0 when all hold. Writes ``soak.csv`` (samples) and ``soak.json`` (summary).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import csv
 import json
 import random
 import sys
@@ -30,9 +28,12 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import orjson
 
+from bench.scripts import script_parser
 from bench.server import ServerProcess
+from bench.sweep.drivers import drive_closed
+from bench.sweep.report import write_csv, write_json
+from bench.sweep.requests import HEADER_LENGTH, build_request
 
 CONFIG = {"models": [
     {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 16,
@@ -43,29 +44,19 @@ CONFIG = {"models": [
 ]}
 
 
-def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return -1
-
-
 def _requests():
+    """(model, body, headers) of a good binary tiny_cnn request, a good JSON ppocr_cls request, and the bad ones:
+    malformed JSON, declared dims violated, an unknown input, binary data of the wrong size."""
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), np.float32)
-    head = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 224, 224],
-                                     "parameters": {"binary_data_size": x.nbytes}}],
-                         "parameters": {"binary_data_output": True}})
-    good_bin = ("tiny_cnn", head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+    good_bin = ("tiny_cnn", *build_request([("input", "FP32", x)]))
     c = np.random.default_rng(1).random((1, 3, 48, 192), np.float32)
-    good_json = ("ppocr_cls", orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 48, 192],
-                                                        "data": c.ravel().tolist()}]}), {})
+    good_json = ("ppocr_cls", *build_request([("x", "FP32", c)], binary=False))
+    head = good_bin[1][:int(good_bin[2][HEADER_LENGTH])]
     bad = [
         ("ppocr_cls", b"{not json", {}),
-        ("ppocr_cls", orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 32, 192],
-                                                "data": [0.0] * (3 * 32 * 192)}]}), {}),
-        ("tiny_cnn", orjson.dumps({"inputs": [{"name": "nope", "datatype": "FP32", "shape": [1], "data": [1]}]}), {}),
-        ("tiny_cnn", head + b"\0" * 16, {"Inference-Header-Content-Length": str(len(head))}),
+        ("ppocr_cls", *build_request([("x", "FP32", np.zeros((1, 3, 32, 192), np.float32))], binary=False)),
+        ("tiny_cnn", *build_request([("nope", "FP32", np.ones(1, np.float32))], binary=False)),
+        ("tiny_cnn", head + b"\0" * 16, good_bin[2]),
     ]
     return good_bin, good_json, bad
 
@@ -80,42 +71,45 @@ async def _hang_up(port: int, model: str, body: bytes) -> None:
 
 
 async def _load(server: ServerProcess, duration: float, clients: int, stats: dict) -> None:
+    """``clients`` closed-loop clients for ``duration`` s, each request drawn from the mix; counts into ``stats``."""
     good_bin, good_json, bad = _requests()
-    end = time.monotonic() + duration
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
+    rnd = random.Random(0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
 
-        async def client(seed: int) -> None:
-            rnd = random.Random(seed)
-            while time.monotonic() < end:
-                r = rnd.random()
-                if r < 0.10:
-                    await _hang_up(server.port, *good_bin[:2])
-                    stats["hang_ups"] += 1
-                    continue
-                kind, (model, body, headers) = (("good", good_bin) if r < 0.70 else ("good", good_json) if r < 0.85
-                                                else ("bad", rnd.choice(bad)))
-                stats["sent"] += 1
+        async def send() -> int:
+            r = rnd.random()
+            if r < 0.10:
                 try:
-                    async with s.post(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers) as resp:
-                        await resp.read()
-                        ok = resp.status in ((200, 503, 504) if kind == "good" else (400,))
-                        stats["answered"] += 1
-                        stats["status"][str(resp.status)] = stats["status"].get(str(resp.status), 0) + 1
-                        if not ok:
-                            stats["unexpected"] += 1
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    await _hang_up(server.port, *good_bin[:2])
+                except OSError as exc:  # the server refused a connection
                     stats["lost"] += 1
                     stats["errors"].append(repr(exc)[:200])
+                stats["hang_ups"] += 1
+                return 0
+            kind, (model, body, headers) = (("good", good_bin) if r < 0.70 else ("good", good_json) if r < 0.85
+                                            else ("bad", rnd.choice(bad)))
+            stats["sent"] += 1
+            try:
+                async with s.post(f"{server.base}/v2/models/{model}/infer", data=body, headers=headers) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                stats["lost"] += 1
+                stats["errors"].append(repr(exc)[:200])
+                return 0
+            stats["answered"] += 1
+            stats["status"][str(resp.status)] = stats["status"].get(str(resp.status), 0) + 1
+            if resp.status not in ((200, 503, 504) if kind == "good" else (400,)):
+                stats["unexpected"] += 1
+            return resp.status
 
-        await asyncio.gather(*(client(i) for i in range(clients)))
+        await drive_closed(clients, send, until=duration)
 
 
 async def _sample(server: ServerProcess, duration: float, samples: list) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < duration:
         samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mb": round(server.rss_mb(), 1),
-                        "threads": _threads(server.proc.pid)})
+                        "threads": server.threads()})
         await asyncio.sleep(1.0)
 
 
@@ -125,13 +119,12 @@ async def soak(server: ServerProcess, duration: float, clients: int, warmup: flo
     samples: list = []
     await asyncio.gather(_load(server, duration, clients, stats), _sample(server, duration, samples))
     await asyncio.sleep(1.0)
-    samples.append({"t_s": round(duration + 1, 1), "rss_mb": round(server.rss_mb(), 1),
-                    "threads": _threads(server.proc.pid)})
+    samples.append({"t_s": round(duration + 1, 1), "rss_mb": round(server.rss_mb(), 1), "threads": server.threads()})
     return stats, samples
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = script_parser("bench.soak", __doc__)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of mixed load")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--warmup", type=float, default=5.0)
@@ -163,11 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "soak.json").write_text(json.dumps(summary, indent=1))
-        with (args.out / "soak.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["t_s", "rss_mb", "threads"])
-            w.writeheader()
-            w.writerows(samples)
+        write_json(args.out / "soak.json", summary)
+        write_csv(args.out / "soak.csv", samples, ["t_s", "rss_mb", "threads"])
     return 0 if all(checks.values()) else 1
 
 

@@ -1,4 +1,5 @@
-"""Helpers for tests: in-process ONNX Runtime reference runs of zoo models."""
+"""Helpers for tests: in-process ONNX Runtime reference runs of zoo models, and request bodies for aiohttp from the
+load toolkit's one KServe v2 request builder (:func:`bench.sweep.requests.build_request`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import functools
 import numpy as np
 import onnxruntime as ort
 
+from bench.sweep.requests import build_request
+from engines.datatypes import from_numpy
 from engines.zoo import resolve
 
 
@@ -21,3 +24,10 @@ def reference(zoo_name: str, x: np.ndarray) -> np.ndarray:
     """The model's first output for ``x``, run in-process (one call, whatever the batch)."""
     sess = reference_session(zoo_name)
     return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+def infer_kwargs(x: np.ndarray, name: str = "input", *, binary: bool = True, **options) -> dict:
+    """``session.post(url, **infer_kwargs(x))``: one input ``name`` holding ``x`` (its datatype from its dtype),
+    binary tensors in and out by default; ``options``: ``timeout_us``, ``priority``, ``binary_output``."""
+    body, headers = build_request([(name, from_numpy(x.dtype), x)], binary=binary, **options)
+    return {"data": body, "headers": headers}

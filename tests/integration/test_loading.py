@@ -10,6 +10,9 @@ import aiohttp
 import numpy as np
 import orjson
 import pytest
+from helpers import infer_kwargs
+
+from bench.sweep.requests import decode_response
 
 SEEDS = ("tiny_cnn", "mid_cnn", "resnet18")
 MiB = 1 << 20
@@ -19,14 +22,8 @@ def _models(*names, **extra):
     return [{"name": n, "path": f"zoo:{n}", "intra_op_threads": 1, **extra} for n in names]
 
 
-def _body(rows: int = 1, timeout_us: int | None = None) -> dict:
-    x = np.ones((rows, 3, 224, 224), np.float32)
-    head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
-                        "parameters": {"binary_data_size": x.nbytes}}], "parameters": {"binary_data_output": True}}
-    if timeout_us:
-        head["parameters"]["timeout"] = timeout_us
-    h = orjson.dumps(head)
-    return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
+def _body(rows: int = 1) -> dict:
+    return infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))
 
 
 def _post(server, path: str, token: str | None = None) -> tuple[int, bytes]:
@@ -46,10 +43,7 @@ def _loaded(server) -> dict[str, float]:
 
 async def _infer(session, server, model, **kw):
     async with session.post(f"{server.base}/v2/models/{model}/infer", **_body(**kw)) as r:
-        body = await r.read()
-        head = orjson.loads(body[: int(r.headers[ "Inference-Header-Content-Length"])]) if r.status == 200 else \
-            orjson.loads(body)
-        return r.status, head, r.headers
+        return r.status, decode_response(await r.read(), r.headers)[0], r.headers
 
 
 def test_eager_is_ready_only_with_every_model_loaded(start_server):
@@ -188,8 +182,7 @@ async def test_versions_policy_and_mismatch(start_server, mismatch):
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{server.base}/v2/models/m/infer", **_body()) as r:
             assert r.status == 200
-            assert orjson.loads((await r.read())[: int(r.headers["Inference-Header-Content-Length"])])[
-                "model_version"] == "3"  # default: the highest served version
+            assert decode_response(await r.read(), r.headers)[0]["model_version"] == "3"  # the highest served one
         async with s.post(f"{server.base}/v2/models/m/versions/2/infer", **_body()) as r:
             assert r.status == 200
         async with s.post(f"{server.base}/v2/models/m/versions/1/infer", **_body()) as r:
@@ -198,8 +191,7 @@ async def test_versions_policy_and_mismatch(start_server, mismatch):
                 assert "has no version '1'; versions: ['2', '3']" in (await r.json())["error"]
             else:
                 assert r.status == 200
-                head = orjson.loads((await r.read())[: int(r.headers["Inference-Header-Content-Length"])])
-                assert head["model_version"] == "3"
+                assert decode_response(await r.read(), r.headers)[0]["model_version"] == "3"
         async with s.get(f"{server.base}/v2/models/m") as r:
             assert (await r.json())["versions"] == ["2", "3"]
 
@@ -240,9 +232,7 @@ async def test_requests_waiting_for_a_cold_load_pin_the_model(start_server):
 
 def test_sigterm_stops_cleanly_with_exit_code_0(start_server):
     server = start_server({"server": {"load_strategy": "lazy"}, "models": _models("tiny_cnn")})
-    urllib.request.urlopen(urllib.request.Request(f"{server.base}/v2/models/tiny_cnn/infer",
-                                                  **{k: v for k, v in _body().items() if k != "headers"},
-                                                  headers=_body()["headers"])).read()
+    urllib.request.urlopen(urllib.request.Request(f"{server.base}/v2/models/tiny_cnn/infer", **_body())).read()
     assert server.stop() == 0
     log = server.log()
     assert "shutting down: releasing 1 loaded model(s)" in log and "stopped" in log

@@ -10,14 +10,11 @@ import urllib.request
 import aiohttp
 import numpy as np
 import orjson
+from helpers import infer_kwargs
 
 
 def _body(rows: int) -> dict:
-    x = np.ones((rows, 3, 224, 224), np.float32)
-    head = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
-                                     "parameters": {"binary_data_size": x.nbytes}}],
-                         "parameters": {"binary_data_output": True}})
-    return {"data": head + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(head))}}
+    return infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))
 
 
 def _index(server) -> dict:

@@ -8,20 +8,9 @@ import time
 import aiohttp
 import numpy as np
 import orjson
+from helpers import infer_kwargs
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
-
-
-def _binary_request(x: np.ndarray, timeout_us: int | None = None, priority: int | None = None) -> dict:
-    head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
-                        "parameters": {"binary_data_size": x.nbytes}}],
-            "parameters": {"binary_data_output": True}}
-    if timeout_us is not None:
-        head["parameters"]["timeout"] = timeout_us
-    if priority is not None:
-        head["parameters"]["priority"] = priority
-    h = orjson.dumps(head)
-    return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
 
 
 async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_server):
@@ -39,9 +28,9 @@ async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_se
             async with s.post(url, **kwargs) as r:
                 return r.status, await r.read(), time.monotonic() - t0
 
-        slow = asyncio.create_task(post(_binary_request(big)))
+        slow = asyncio.create_task(post(infer_kwargs(big)))
         await asyncio.sleep(0.15)  # the big batch is executing now
-        status, body, elapsed = await post(_binary_request(small, timeout_us=50_000))
+        status, body, elapsed = await post(infer_kwargs(small, timeout_us=50_000))
         assert status == 504, body
         assert "deadline expired" in orjson.loads(body)["error"]
         assert 0.050 <= elapsed <= 0.100, elapsed
@@ -62,7 +51,7 @@ async def test_queue_full_answers_503_with_retry_after(start_server):
     async with aiohttp.ClientSession() as s:
 
         async def post():
-            async with s.post(url, **_binary_request(x)) as r:
+            async with s.post(url, **infer_kwargs(x)) as r:
                 return r.status, r.headers.get("Retry-After"), await r.read()
 
         async def watch_depth(stop: asyncio.Event):
@@ -99,12 +88,12 @@ async def test_engine_error_fails_only_its_batch(start_server):
     url = f"{server.base}/v2/models/rec_raw/infer"
 
     def body(h):
-        return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, h, 64], "data": [0.5] * (3 * h * 64)}]}
+        return infer_kwargs(np.full((1, 3, h, 64), 0.5, np.float32), "x", binary=False)
 
     async with aiohttp.ClientSession() as s:
 
         async def post(b):
-            async with s.post(url, json=b) as r:
+            async with s.post(url, **b) as r:
                 return r.status, await r.json()
 
         results = await asyncio.gather(post(body(96)), post(body(48)))
@@ -135,7 +124,7 @@ async def test_client_that_goes_away_while_queued_is_never_executed(start_server
     async with aiohttp.ClientSession() as s:
 
         async def post(x):
-            async with s.post(url, **_binary_request(x)) as r:
+            async with s.post(url, **infer_kwargs(x)) as r:
                 return r.status
 
         slow = asyncio.create_task(post(np.ones((8, 3, 224, 224), np.float32)))
@@ -178,7 +167,7 @@ async def test_higher_priority_is_served_first(start_server):
     async with aiohttp.ClientSession() as s:
 
         async def post(tag, priority=None):
-            async with s.post(url, **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
+            async with s.post(url, **infer_kwargs(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
                 assert r.status == 200, await r.text()
             done.append(tag)
 
@@ -197,7 +186,7 @@ async def test_priority_zero_or_above_the_levels_means_the_default_level(start_s
     async with aiohttp.ClientSession() as s:
         for priority in (0, 1, 2, 3, 99):
             async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
-                              **_binary_request(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
+                              **infer_kwargs(np.ones((1, 3, 224, 224), np.float32), priority=priority)) as r:
                 assert r.status == 200, (priority, await r.text())
     assert server.metric("batcher_request_success_total", model="mid_cnn", version="1") == 5
 
@@ -213,7 +202,7 @@ async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met
 
         async def post(x, timeout_us=None):
             t0 = loop.time()
-            async with s.post(url, **_binary_request(x, timeout_us)) as r:
+            async with s.post(url, **infer_kwargs(x, timeout_us=timeout_us)) as r:
                 return r.status, r.headers.get("Retry-After"), await r.read(), loop.time() - t0
 
         assert (await post(np.ones((2, 3, 224, 224), np.float32)))[0] == 200  # measures seconds per row
@@ -234,7 +223,7 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
     async with aiohttp.ClientSession() as s:
 
         async def post(rows):
-            async with s.post(url, **_binary_request(np.ones((rows, 3, 224, 224), np.float32))) as r:
+            async with s.post(url, **infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))) as r:
                 return r.status
 
         tasks = [asyncio.create_task(post(8)), asyncio.create_task(post(1)), asyncio.create_task(post(1))]
@@ -243,7 +232,7 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
         await asyncio.sleep(0.1)
         async with s.get(f"{server.base}/v2/health/ready") as r:
             assert r.status == 503  # readiness false at once
-        async with s.post(url, **_binary_request(np.ones((1, 3, 224, 224), np.float32))) as r:
+        async with s.post(url, **infer_kwargs(np.ones((1, 3, 224, 224), np.float32))) as r:
             assert r.status == 503 and r.headers["Retry-After"]  # new requests refused while draining
         assert await asyncio.gather(*tasks) == [200, 200, 200]
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
@@ -257,7 +246,7 @@ async def test_no_answer_after_the_deadline_even_while_executing(start_server):
     async with aiohttp.ClientSession() as s:
         t0 = loop.time()
         async with s.post(f"{server.base}/v2/models/mid_cnn/infer",
-                          **_binary_request(np.ones((8, 3, 224, 224), np.float32), timeout_us=150_000)) as r:
+                          **infer_kwargs(np.ones((8, 3, 224, 224), np.float32), timeout_us=150_000)) as r:
             body = await r.json()
         elapsed = loop.time() - t0
     assert r.status == 504 and "while its batch was executing" in body["error"]
@@ -275,7 +264,7 @@ async def test_client_that_goes_away_during_execution_does_not_disturb_its_batch
     async with aiohttp.ClientSession() as s:
 
         async def post(rows):
-            async with s.post(url, **_binary_request(np.ones((rows, 3, 224, 224), np.float32))) as r:
+            async with s.post(url, **infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))) as r:
                 await r.read()
                 return r.status
 
@@ -304,7 +293,7 @@ async def test_low_priority_waits_at_most_the_starvation_bound(start_server):
 
         async def post(priority):
             t0 = loop.time()
-            async with s.post(url, **_binary_request(x, priority=priority)) as r:
+            async with s.post(url, **infer_kwargs(x, priority=priority)) as r:
                 await r.read()
                 return r.status, loop.time() - t0
 
@@ -328,7 +317,7 @@ async def test_deadline_already_past_is_504_and_oversized_header_is_400(start_se
     server = start_server({"models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
     x = np.ones((1, 3, 224, 224), np.float32)
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", **_binary_request(x, timeout_us=1)) as r:
+        async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", **infer_kwargs(x, timeout_us=1)) as r:
             assert r.status == 504 and "deadline" in (await r.json())["error"]
         big = {"X-Padding": "a" * 9000}
         async with s.get(f"{server.base}/v2/health/live", headers=big) as r:

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import orjson
 import pytest
 import yaml
 
-from bench.server import free_port
+from helpers import infer_kwargs
+
+from bench.server import Subprocess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana-dashboard.json"
@@ -228,24 +229,17 @@ def test_promtool_checks_rules_and_config():
 
 
 # ---------------------------------------------------------------------------------------------- live Prometheus
-class Prometheus:
-    """A ``prometheus`` process on 127.0.0.1 with its own config and TSDB under ``workdir``."""
+class Prometheus(Subprocess):
+    """A ``prometheus`` process on 127.0.0.1 with its own config and TSDB under ``workdir``, ready when
+    ``/-/ready`` answers."""
 
     def __init__(self, binary: str, config: dict, workdir: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         cfg_path = workdir / "prometheus.yml"
         cfg_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "prometheus.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={cfg_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__([binary, f"--config.file={cfg_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+                          f"--web.listen-address=127.0.0.1:{port}"], workdir, "prometheus", port, timeout_s=30,
+                         ready_path="/-/ready")
 
     def get(self, path: str, **params: object) -> dict:
         url = self.base + path + ("?" + urllib.parse.urlencode(params) if params else "")
@@ -264,7 +258,8 @@ class Prometheus:
         last = None
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {self.proc.returncode} while waiting for {what}:\n{self.log()}")
+                pytest.fail(f"prometheus exited with {self.proc.returncode} while waiting for {what}:\n"
+                            f"{self.log()[-4000:]}")
             try:
                 last = check()
                 if last:
@@ -272,31 +267,15 @@ class Prometheus:
             except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as exc:
                 last = exc
             time.sleep(interval_s)
-        pytest.fail(f"timed out after {timeout_s} s waiting for {what} (last: {last!r}):\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        pytest.fail(f"timed out after {timeout_s} s waiting for {what} (last: {last!r}):\n{self.log()[-4000:]}")
 
 
 def _infer_body(model: str, rows: int, *, bad: bool = False, timeout_us: int | None = None) -> dict:
     name, dims = INPUTS[model]
     if bad:  # declared dims violated: 400, counted as reason="invalid"
         dims = (dims[0], dims[1], dims[2] // 2)
-    x = np.full((rows, *dims), 0.5, np.float32)
-    head: dict = {"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
-                              "parameters": {"binary_data_size": x.nbytes}}],
-                  "parameters": {"binary_data_output": True}}
-    if timeout_us is not None:  # a deadline that has passed before the request is queued: 504, reason="timeout"
-        head["parameters"]["timeout"] = timeout_us
-    h = orjson.dumps(head)
-    return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
+    # timeout_us: a deadline that has passed before the request is queued: 504, reason="timeout"
+    return infer_kwargs(np.full((rows, *dims), 0.5, np.float32), name, timeout_us=timeout_us)
 
 
 async def _load(base: str, models: tuple[str, ...], duration_s: float, rps: float = 40.0, workers: int = 2,
@@ -388,7 +367,6 @@ def test_every_dashboard_and_alert_expression_returns_data(start_server, tmp_pat
     assert solo[("ppocr_cls", 200)] >= 5, solo
     prom = Prometheus(prometheus_bin, config, workdir)
     try:
-        prom.wait("/-/ready", lambda: urllib.request.urlopen(prom.base + "/-/ready", timeout=2).status == 200, 30)
         up = f'up{{job="{job_name}"}}'
         prom.wait("two successful scrapes of the server",
                   lambda: prom.query(f"sum_over_time({up}[30s]) >= 2")["data"]["result"], 20)

@@ -8,7 +8,7 @@ import aiohttp
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from helpers import reference
+from helpers import infer_kwargs, reference
 
 MODELS = {
     # model: (input name, one request's input shape)
@@ -106,6 +106,7 @@ def test_recognizer_crops_of_different_widths_batch_separately(client, default_s
 
 
 def _body(name="x", datatype="FP32", shape=(1, 3, 48, 192), data=None):
+    """A JSON request written by hand, so that any field can be wrong (good requests: helpers.infer_kwargs)."""
     if data is None:
         data = [0.5] * int(np.prod(shape))
     return {"inputs": [{"name": name, "datatype": datatype, "shape": list(shape), "data": data}]}
@@ -181,13 +182,13 @@ async def test_good_request_in_same_window_as_bad_ones_succeeds(default_server):
     """Acceptance 4: bad requests sent in the same batch window as a good one never fail it."""
     rng = np.random.default_rng(11)
     x = rng.random((1, 3, 48, 192), dtype=np.float32)
-    good = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 48, 192], "data": x.ravel().tolist()}]}
-    bads = [_body(shape=(1, 3, 48, 100)), _body(datatype="FP64"), _body(data=[1.0])]
+    good = infer_kwargs(x, "x", binary=False)
+    bads = [{"json": _body(shape=(1, 3, 48, 100))}, {"json": _body(datatype="FP64")}, {"json": _body(data=[1.0])}]
     url = f"{default_server.base}/v2/models/ppocr_cls/infer"
     async with aiohttp.ClientSession() as s:
 
-        async def post(body):
-            async with s.post(url, json=body) as r:
+        async def post(kwargs):
+            async with s.post(url, **kwargs) as r:
                 return r.status, await r.json()
 
         results = await asyncio.gather(*(post(b) for b in [*bads, good, *bads]))

@@ -1,315 +1,35 @@
-"""`python -m bench sweep`: schedules, statistics and the open/closed-loop drivers directly, plus one sweep
-against a real server."""
+"""`python -m bench sweep` against a real server: the CSV, the plot and the table; and without matplotlib. The
+toolkit's parts are tested in-process in tests/unit/test_sweep_parts.py."""
 
 from __future__ import annotations
 
-import asyncio
-import csv
+import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-import orjson
 import pytest
 
-from bench import sweep
-from bench.sweep import (
-    CLIENT_OVERLOAD, CLIENT_TIMEOUT, TRANSPORT_ERROR, arrival_times, batch_counters, build_request, drive_closed,
-    drive_open, measured_wall, percentile, resolve_inputs, summarize,
-)
+from bench.sweep.report import COLUMNS, NO_MATPLOTLIB, read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
-
-CSV_COLUMNS = [
-    "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",
-    "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "errors_by_status", "client_overload",
-    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth",
-]
+TINY = {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 8,
+        "dynamic_batching": {"max_queue_delay_microseconds": 1000}, "intra_op_threads": 1}
 
 
-# ------------------------------------------------------------------------------------------------ schedules
-
-
-def test_constant_schedule_is_exact():
-    t = arrival_times(20, 1.5, "constant")
-    assert t.size == 30
-    np.testing.assert_array_equal(t, np.arange(30) / 20)
-    np.testing.assert_allclose(arrival_times(3, 1.0, "constant"), [0, 1 / 3, 2 / 3])
-    assert arrival_times(0.5, 10, "constant").tolist() == [0, 2, 4, 6, 8]
-
-
-def test_poisson_schedule_mean_rate_and_exponential_gaps_for_a_fixed_seed():
-    rate, duration = 200.0, 50.0
-    t = arrival_times(rate, duration, "poisson", seed=7)
-    assert t.size == pytest.approx(rate * duration, rel=0.03)  # sd is 1 % of 10,000 arrivals
-    assert np.all(np.diff(t) > 0) and t[0] > 0 and t[-1] < duration
-    gaps = np.diff(t)
-    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
-    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.05)  # exponential: coefficient of variation 1
-    np.testing.assert_array_equal(t, arrival_times(rate, duration, "poisson", seed=7))  # reproducible
-    assert not np.array_equal(t[:100], arrival_times(rate, duration, "poisson", seed=8)[:100])
-    with pytest.raises(ValueError):
-        arrival_times(10, 1, "bursty")
-    with pytest.raises(ValueError):
-        arrival_times(0, 1)
-
-
-def test_parse_rates_and_shapes():
-    assert sweep.parse_list("20,40, 80") == [20.0, 40.0, 80.0]
-    assert sweep.parse_list("10:50:20") == [10.0, 30.0, 50.0]
-    assert sweep.parse_list("1,4,16", int) == [1, 4, 16]
-    with pytest.raises(ValueError):
-        sweep.parse_list("0,10")
-    assert sweep.parse_shape("1x3x48x320") == (None, [1, 3, 48, 320])
-    assert sweep.parse_shape("x:1,3,48,320") == ("x", [1, 3, 48, 320])
-
-
-# ----------------------------------------------------------------------------------------------- statistics
-
-
-def test_percentiles_are_nearest_rank():
-    v = np.arange(1, 101, dtype=float)
-    assert [percentile(v, q) for q in (50, 90, 99, 100)] == [50, 90, 99, 100]
-    assert percentile(np.array([5.0]), 99) == 5.0
-    assert percentile(np.array([1.0, 2.0, 3.0, 1000.0]), 50) == 2.0  # an observed value, not interpolated
-    assert np.isnan(percentile(np.array([]), 50))
-
-
-def test_summarize_counts_errors_by_status_and_uses_only_ok_latencies():
-    lat = np.array([0.010, 0.020, 0.030, 0.040, 5.0, 0.001, np.nan, np.nan])
-    st = np.array([200, 200, 200, 200, 504, 503, CLIENT_OVERLOAD, CLIENT_OVERLOAD])
-    row = summarize(lat, st, wall_s=2.0, offered=4.0, send_lags=np.array([0.001] * 6 + [0.5, 0.5]))
-    assert row["requests"] == 8 and row["ok"] == 4 and row["errors"] == 4
-    assert row["achieved_qps"] == 2.0 and row["offered_qps"] == 4.0
-    assert (row["p50_ms"], row["p90_ms"], row["p99_ms"], row["max_ms"]) == pytest.approx((20, 40, 40, 40))
-    assert row["errors_by_status"] == "client-overload:2 503:1 504:1"
-    assert row["client_overload"] == 2
-    assert row["send_lag_p99_ms"] == pytest.approx(500)
-    empty = summarize(np.array([np.nan]), np.array([TRANSPORT_ERROR]), 1.0, 10.0)
-    assert empty["ok"] == 0 and np.isnan(empty["p99_ms"]) and empty["errors_by_status"] == "transport:1"
-    assert empty["send_lag_p99_ms"] is None
-
-
-def test_measured_wall_extends_past_the_window_when_answers_come_late():
-    assert measured_wall(1.5, np.array([0.1, 1.2, 1.46])) == 1.5
-    assert measured_wall(1.0, np.array([1.2, 3.5, np.nan]), window_start=0.5) == 3.0
-    assert measured_wall(1.0, np.array([np.nan])) == 1.0
-
-
-def test_batch_counters_from_ours_and_tritons_metrics():
-    ours = """# HELP batcher_inference_count_total Rows
-# TYPE batcher_inference_count_total counter
-batcher_inference_count_total{model="m",version="1"} 30.0
-batcher_inference_count_total{model="m",version="2"} 10.0
-batcher_inference_count_total{model="other",version="1"} 99.0
-# HELP batcher_execution_count_total Batches
-# TYPE batcher_execution_count_total counter
-batcher_execution_count_total{model="m",version="1"} 10.0
-batcher_execution_count_total{model="m",version="2"} 10.0
-"""
-    assert batch_counters(ours, "m") == (40.0, 20.0)
-    assert batch_counters(ours, "m", "1") == (30.0, 10.0)
-    assert batch_counters(ours, "absent") == (0.0, 0.0)
-    triton = """# TYPE nv_inference_count counter
-nv_inference_count{model="m",version="1"} 64
-# TYPE nv_inference_exec_count counter
-nv_inference_exec_count{model="m",version="1"} 8
-"""
-    assert batch_counters(triton, "m") == (64.0, 8.0)
-    assert batch_counters(triton.replace("# TYPE", "# NOTYPE"), "m") == (64.0, 8.0)  # untyped samples
-    assert batch_counters("# TYPE up gauge\nup 1\n", "m") is None
-    assert batch_counters(None, "m") is None
-    assert sweep.avg_batch((40, 20), (100, 30)) == 6.0
-    assert sweep.avg_batch((40, 20), (40, 20)) is None and sweep.avg_batch(None, (1, 1)) is None
-
-
-def test_queue_seconds_and_average_queue_depth():
-    ours = """# TYPE batcher_queue_duration_seconds histogram
-batcher_queue_duration_seconds_sum{model="m",version="1"} 1.5
-batcher_queue_duration_seconds_count{model="m",version="1"} 10.0
-batcher_queue_duration_seconds_sum{model="m",version="2"} 0.5
-batcher_queue_duration_seconds_count{model="m",version="2"} 2.0
-"""
-    assert sweep.queue_seconds(ours, "m") == 2.0
-    assert sweep.queue_seconds(ours, "m", "2") == 0.5
-    assert sweep.queue_seconds(ours, "absent") == 0.0
-    triton = '# TYPE nv_inference_queue_duration_us counter\nnv_inference_queue_duration_us{model="m",version="1"} 3e6\n'
-    assert sweep.queue_seconds(triton, "m") == pytest.approx(3.0)
-    assert sweep.queue_seconds("# TYPE up gauge\nup 1\n", "m") is None and sweep.queue_seconds(None, "m") is None
-    # 12 request-seconds of queueing over 4 seconds: 3 requests waiting on average (Little's law)
-    assert sweep.avg_queue_depth((2.0, 100.0), (14.0, 104.0)) == 3.0
-    assert sweep.avg_queue_depth((None, 100.0), (14.0, 104.0)) is None
-    assert sweep.avg_queue_depth((2.0, 100.0), (14.0, 100.0)) is None
-
-
-# ------------------------------------------------------------------------------------------ inputs, requests
-
-
-def test_resolve_inputs_from_metadata_and_command_line():
-    meta = {"name": "rec", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 48, -1]}]}
-    with pytest.raises(ValueError, match="dynamic dims"):
-        resolve_inputs(meta)
-    full = resolve_inputs(meta, shapes={None: [2, 3, 48, 320]})
-    assert [(s.name, s.datatype, s.shape) for s in full] == [("x", "FP32", [2, 3, 48, 320])]
-    assert resolve_inputs(meta, shapes={None: [1, 320]})[0].shape == [1, 3, 48, 320]  # just the -1 dims
-    fixed = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 224, 224]}]}
-    assert resolve_inputs(fixed, batch_size=4)[0].shape == [4, 3, 224, 224]
-    with pytest.raises(ValueError, match="no input 'y'"):
-        resolve_inputs(fixed, input_name="y")
-    a = np.zeros((2, 5), np.int64)
-    assert resolve_inputs(fixed, arrays={None: a})[0].datatype == "INT64"
-    assert resolve_inputs(None, input_name="x", datatype="FP16", shapes={None: [1, 8]})[0].shape == [1, 8]
-    with pytest.raises(ValueError, match="no model metadata"):
-        resolve_inputs(None, shapes={None: [1, 8]})
-
-
-def test_build_request_binary_and_json_with_deadline():
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    body, headers = build_request([("input", "FP32", x)], binary=True, timeout_us=50_000)
-    n = int(headers["Inference-Header-Content-Length"])
-    head = orjson.loads(body[:n])
-    assert head["parameters"] == {"timeout": 50_000, "binary_data_output": True}
-    assert head["inputs"][0]["parameters"]["binary_data_size"] == 24
-    np.testing.assert_array_equal(np.frombuffer(body[n:], np.float32), x.ravel())
-    body, headers = build_request([("input", "FP32", x)], binary=False)
-    assert headers["Content-Type"] == "application/json" and "parameters" not in orjson.loads(body)
-    assert orjson.loads(body)["inputs"][0] == {"name": "input", "datatype": "FP32", "shape": [2, 3],
-                                              "data": [0, 1, 2, 3, 4, 5]}
-    sb, sh = build_request([("s", "BYTES", np.array([b"ab", b"c"], dtype=object))])
-    n = int(sh["Inference-Header-Content-Length"])
-    assert sb[n:] == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
-
-
-# -------------------------------------------------------------------------------------------------- drivers
-
-
-def _serial_server(service_s: float, stall_at: int, stall_s: float):
-    """A fake server answering one request at a time; its ``stall_at``-th request takes ``stall_s``."""
-    lock = asyncio.Lock()
-    seen = [0]
-
-    async def send() -> int:
-        async with lock:
-            k = seen[0]
-            seen[0] += 1
-            await asyncio.sleep(stall_s if k == stall_at else service_s)
-        return 200
-
-    return send
-
-
-async def test_open_loop_latency_counts_from_the_scheduled_time_so_a_stall_shows_up():
-    """50 req/s against a one-at-a-time server that stalls 300 ms on request 5: every request scheduled during
-    the stall waits it out, and its latency says so (a closed-loop client would see one slow request)."""
-    offsets = arrival_times(50, 1.0)
-    s = await drive_open(offsets, _serial_server(0.002, 5, 0.300), max_inflight=100, max_lag_s=0.1)
-    assert (s.status == 200).all()
-    lat_ms = s.latency * 1e3
-    assert lat_ms[5] >= 290
-    assert lat_ms[6] >= 240  # scheduled 20 ms after the stall began; answered after it ended
-    assert (lat_ms >= 100).sum() >= 10  # ~15 requests fell into the 300 ms stall
-    assert percentile(lat_ms, 90) >= 100
-    assert np.median(lat_ms[25:]) < 50  # the queue drained afterwards
-    assert s.peak_inflight >= 10
-    # the same stall seen by a closed-loop client: coordinated omission hides it
-    c = await drive_closed(1, _serial_server(0.002, 5, 0.300), until=1.0)
-    assert (c.latency * 1e3 >= 100).sum() == 1
-
-
-async def test_open_loop_latency_includes_the_clients_own_lateness():
-    """Request 0 blocks the client for 60 ms: request 1 (scheduled at 20 ms) goes out ~40 ms late and its
-    latency includes that, although the fake server answers at once."""
-    calls = [0]
-
-    async def send() -> int:
-        calls[0] += 1
-        if calls[0] == 1:
-            time.sleep(0.060)  # noqa: ASYNC251 - blocks the event loop, as a busy client would
-        return 200
-
-    s = await drive_open(arrival_times(50, 0.2), send, max_lag_s=0.5)
-    assert (s.status == 200).all()
-    assert s.send_lag[1] >= 0.030
-    assert s.latency[1] >= 0.030
-
-
-async def test_open_loop_counts_requests_over_the_inflight_cap_as_client_overload():
-    async def hang() -> int:
-        await asyncio.sleep(0.4)
-        return 200
-
-    s = await drive_open(arrival_times(100, 0.3), hang, max_inflight=5, max_lag_s=0.2)
-    assert (s.status == 200).sum() == 5 and s.peak_inflight == 5
-    assert (s.status == CLIENT_OVERLOAD).sum() == 25
-    assert np.isnan(s.latency[s.status == CLIENT_OVERLOAD]).all()
-
-
-async def test_open_loop_does_not_send_requests_that_are_too_late():
-    calls = [0]
-
-    async def send() -> int:
-        calls[0] += 1
-        if calls[0] == 1:
-            time.sleep(0.3)  # noqa: ASYNC251 - the client stalls: requests due meanwhile cannot be sent in time
-        return 200
-
-    s = await drive_open(arrival_times(100, 0.6), send, max_lag_s=0.05)
-    over = s.status == CLIENT_OVERLOAD
-    assert over.sum() >= 15  # due at 10..~250 ms, found more than 50 ms late
-    assert (s.status[-20:] == 200).all()  # back on schedule afterwards
-
-
-async def test_drivers_turn_exceptions_into_client_side_statuses():
-    async def boom() -> int:
-        raise ConnectionResetError
-
-    async def slow() -> int:
-        raise asyncio.TimeoutError
-
-    assert (await drive_open(arrival_times(100, 0.05), boom)).status.tolist() == [TRANSPORT_ERROR] * 5
-    assert set((await drive_closed(2, slow, until=0.05)).status.tolist()) == {CLIENT_TIMEOUT}
-
-
-def _help(capsys, argv: list[str]) -> str:
-    from bench.__main__ import main
-
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 0
-    return capsys.readouterr().out
-
-
-def test_cli_help_describes_every_option(capsys):
-    assert "sweep" in _help(capsys, ["--help"])
-    text = _help(capsys, ["sweep", "--help"])
-    for opt in ["--url", "--model", "--rates", "--duration", "--out", "--mode", "--arrivals", "--concurrency",
-                "--processes", "--json", "--timeout-us", "--shape", "--input-file", "--warmup", "--seed",
-                "--input-name", "--datatype", "--metrics-url", "--max-inflight", "--max-send-lag-ms"]:
-        assert opt in text, opt
-    for column in CSV_COLUMNS:
-        assert column in text, column
-    assert sweep.COLUMNS == CSV_COLUMNS
-
-
-# ----------------------------------------------------------------------------------------------- integration
+def _sweep(*args: str, python: tuple[str, ...] = ("-m", "bench")) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python, "sweep", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
 
 
 def test_sweep_against_a_real_server(start_server, tmp_path):
-    server = start_server({"models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 8,
-                                       "dynamic_batching": {"max_queue_delay_microseconds": 1000}, "intra_op_threads": 1}]})
+    server = start_server({"models": [TINY]})
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "sweep", "--url", server.base, "--model", "tiny_cnn", "--rates", "20,40",
-         "--duration", "1.5", "--warmup", "0.3", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )
+    proc = _sweep("--url", server.base, "--model", "tiny_cnn", "--rates", "20,40", "--duration", "1.5", "--warmup",
+                  "0.3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    with open(out / "sweep.csv", newline="") as f:
-        reader = csv.DictReader(f)
-        assert reader.fieldnames == CSV_COLUMNS
-        rows = list(reader)
+    assert (out / "sweep.csv").read_text().splitlines()[0].split(",") == COLUMNS
+    rows = read_csv(out / "sweep.csv")
     assert [float(r["offered_qps"]) for r in rows] == [20.0, 40.0]
     for r in rows:
         offered = float(r["offered_qps"])
@@ -328,3 +48,23 @@ def test_sweep_against_a_real_server(start_server, tmp_path):
         assert im.size[0] > 400 and im.size[1] > 300
     assert "achieved" in proc.stdout and "p99 ms" in proc.stdout  # the printed table
     assert len([line for line in proc.stdout.splitlines() if line.strip()[:4] in ("20.0", "40.0")]) == 2
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [1, 3, 224, 224]}]
+    assert [r["offered_qps"] for r in doc["rows"]] == [20.0, 40.0]
+
+
+def test_sweep_without_matplotlib_writes_csv_and_json_and_exits_0(start_server, tmp_path):
+    """Issue 11: a whole closed-loop sweep on a machine without matplotlib ends with its CSV and JSON, the table,
+    and one line naming the extra to install, exit status 0."""
+    server = start_server({"models": [TINY]})
+    out = tmp_path / "out"
+    no_matplotlib = ("-c", "import sys; sys.modules['matplotlib'] = None; from bench.__main__ import main; "
+                           "sys.exit(main())")
+    proc = _sweep("--url", server.url, "--model", "tiny_cnn", "--mode", "closed", "--concurrency", "1,2",
+                  "--duration", "0.5", "--warmup", "0.1", "--json", "--out", str(out), python=no_matplotlib)
+    assert proc.returncode == 0, proc.stderr
+    assert NO_MATPLOTLIB in proc.stderr.splitlines()
+    assert [r["concurrency"] for r in read_csv(out / "sweep.csv")] == ["1", "2"]
+    assert len(json.loads((out / "sweep.json").read_text())["rows"]) == 2
+    assert not (out / "sweep.png").exists()
+    assert "clients" in proc.stdout and "p99 ms" in proc.stdout

@@ -18,9 +18,12 @@ from batcher.codec import (
     encode_response,
 )
 from batcher.errors import InvalidInput
+from bench.sweep.requests import HEADER_LENGTH, build_request
 
 
 def _binary(inputs: list[tuple[dict, bytes]], **extra) -> tuple[bytes, str]:
+    """A binary-extension body written by hand: JSON and binary inputs mixed, or sizes that do not add up (well-formed
+    requests come from the load toolkit's builder, as in test_binary_tensors_round_trip)."""
     head = orjson.dumps({"inputs": [t for t, _ in inputs], **extra})
     return head + b"".join(b for _, b in inputs), str(len(head))
 
@@ -47,19 +50,20 @@ def test_json_tensors_flat_and_nested(datatype, data, expected):
     np.testing.assert_array_equal(got, expected)
 
 
-def test_json_bytes_tensor():
-    body = orjson.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1, 2], "data": ["héllo", ""]}]})
-    got = decode_request(body).inputs["s"]
-    assert got.dtype == object and got.tolist() == [["héllo".encode(), b""]]
+def test_bytes_tensor_json_and_binary():
+    s = np.array([["héllo".encode(), b""]], dtype=object)
+    for binary in (False, True):
+        body, headers = build_request([("s", "BYTES", s)], binary=binary)
+        got = decode_request(body, headers.get(HEADER_LENGTH)).inputs["s"]
+        assert got.dtype == object and got.tolist() == [["héllo".encode(), b""]]
 
 
 @pytest.mark.parametrize("datatype,dtype", [("FP32", "<f4"), ("INT64", "<i8"), ("FP16", "<f2"), ("UINT8", "u1"),
                                             ("BOOL", "?"), ("FP64", "<f8"), ("INT8", "i1"), ("INT32", "<i4")])
 def test_binary_tensors_round_trip(datatype, dtype):
     arr = (np.arange(24) % 2 if datatype == "BOOL" else np.arange(24)).astype(dtype).reshape(2, 3, 4)
-    body, n = _binary([({"name": "a", "datatype": datatype, "shape": [2, 3, 4],
-                         "parameters": {"binary_data_size": arr.nbytes}}, arr.tobytes())])
-    got = decode_request(body, n).inputs["a"]
+    body, headers = build_request([("a", datatype, arr)])
+    got = decode_request(body, headers[HEADER_LENGTH]).inputs["a"]
     np.testing.assert_array_equal(got, arr)
     assert got.dtype == arr.dtype
 
