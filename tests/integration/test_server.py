@@ -78,7 +78,9 @@ def test_64_concurrent_rows_are_batched_and_exact(client, default_server):
     for x in xs:
         inp = httpclient.InferInput("input", [1, 3, 224, 224], "FP32")
         inp.set_data_from_numpy(x, binary_data=True)
-        pending.append(client.async_infer("resnet18", [inp]))
+        # a deadline of its own (2 min, Triton's parameters.timeout in us) instead of the model's 5 s default: on a
+        # busy 2-core machine 64 resnet18 rows can take longer than that, and this test is about batching
+        pending.append(client.async_infer("resnet18", [inp], timeout=120_000_000))
     results = [p.get_result(timeout=120).as_numpy("logits") for p in pending]
     for x, got in zip(xs, results):
         assert np.max(np.abs(got - reference("resnet18", x))) <= 1e-4
@@ -97,7 +99,7 @@ def test_recognizer_crops_of_different_widths_batch_separately(client, default_s
     for x in xs:
         inp = httpclient.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x, binary_data=True)
-        pending.append(client.async_infer("ppocr_rec", [inp]))
+        pending.append(client.async_infer("ppocr_rec", [inp], timeout=60_000_000))
     for x, p in zip(xs, pending):
         out = p.get_result(timeout=60).as_numpy("softmax_11.tmp_0")
         want = reference("ppocr_rec", x)
