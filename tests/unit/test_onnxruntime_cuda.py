@@ -397,3 +397,16 @@ def test_gpu_check_runs_its_thread_arrangement_on_the_stand_in(device, monkeypat
     assert "all checks passed" in out
     assert "'execution': 'cuda_graphs'" in out and "padded 3 -> 4 rows" in out
     assert out.count("rows/s") == 3  # 1, 2 and 4 contexts
+
+
+async def test_the_batchers_executor_runs_batches_on_the_contexts_own_thread(device, tmp_path):
+    from batcher.executor import ThreadExecutor
+
+    ctx = _engine(tmp_path).create_context()
+    owner = ctx.executor.submit(threading.get_ident).result()
+    ex = ThreadExecutor(ctx, "t")
+    seen = await ex.submit(lambda c, x: (threading.get_ident(), c.execute({"x": x})["y"]), np.ones((2, 4), np.float32))
+    assert seen[0] == owner  # no hop: the batch ran on the thread that captured the graphs
+    np.testing.assert_allclose(seen[1], _want(np.ones((2, 4))), rtol=1e-6)
+    ex.close()
+    assert ctx.executor is None and device.gpu.counts() == {"pinned": 0, "streams": 0}
