@@ -16,7 +16,8 @@ One run writes, per part, a table (``.md``, also printed), a ``.csv`` (as soon a
 * (c) ``gpu_c_http``: the same through HTTP (a real ``batcher serve``, binary tensors, the toolkit's closed-loop
   driver in client processes), with the server's CPU per request and the executor's times per batch;
 * (d) ``gpu_d_memory_batch``, ``gpu_d_memory_input``, ``gpu_d_reload``: seed 000's context-memory tables, memory
-  returned on release, and load times (cold, bare loop, lru reload).
+  returned on release, and load times (cold, bare loop, lru reload);
+* (t, not by default) ``gpu_tests.txt``: the output of ``python -m pytest -v tests/gpu``.
 
 Rows of (b) and (c) give their ratio to (a) at the batch size they formed (``over_raw``; tf32, the GPU default)
 and, over 1 -> 2 -> 4 contexts with batching on, seed 002's rule (stop adding instances when QPS grows < 30%
@@ -39,7 +40,7 @@ MODELS = "tiny_cnn,mid_cnn,resnet18"
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpu_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the tables, CSV, PNG")
-    p.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,b")
+    p.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,b; t: the GPU tests (tests/gpu)")
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds of each (b)/(c) step")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each (b)/(c) step")
     p.add_argument("--raw-seconds", type=float, default=0.4, help="(a): seconds per batch size and precision")
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the code")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts <= {"a", "b", "c", "d"}:
-        p.error(f"--parts takes a subset of a,b,c,d, got {args.parts}")
+    if not parts <= {"a", "b", "c", "d", "t"}:
+        p.error(f"--parts takes a subset of a,b,c,d,t, got {args.parts}")
 
     import onnxruntime as ort
 
@@ -70,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     models, service = args.models.split(","), args.service_models.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     t0 = time.perf_counter()
+    if "t" in parts:
+        import subprocess
+
+        say("== (t) GPU tests: python -m pytest tests/gpu")
+        args.out.mkdir(parents=True, exist_ok=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-v", "tests/gpu"], capture_output=True, text=True)
+        (args.out / "gpu_tests.txt").write_text(run.stdout + run.stderr)
+        say(run.stdout[-3000:])
     raw: list[dict] = []
     if "a" in parts:
         from bench.gpubench.raw import part_a
