@@ -2,8 +2,8 @@
 
 Run on a machine with an NVIDIA GPU, onnxruntime-gpu and cuda-python (onnxconverter-common for fp16)::
 
-    python -m bench.gpu_bench --out bench/results/gpu                 # every part, about 7 minutes on an H200
-    python -m bench.gpu_bench --parts a,b --duration 3                # some parts, shorter steps
+    python -m bench.gpu_bench --out bench/results/gpu                 # every part (estimated 7-8 minutes, H200)
+    python -m bench.gpu_bench --parts a,d    # then --parts b,c: two calls that each fit a 10-minute window
 
 One run writes, per part, a table (``.md``, also printed), a ``.csv`` (as soon as the part ends) and a ``.png``:
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpu_bench", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the tables, CSV, PNG")
     p.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,b; t: the GPU tests (tests/gpu)")
-    p.add_argument("--duration", type=float, default=4.0, help="measured seconds of each (b)/(c) step")
+    p.add_argument("--duration", type=float, default=3.0, help="measured seconds of each (b)/(c) step")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each (b)/(c) step")
     p.add_argument("--raw-seconds", type=float, default=0.4, help="(a): seconds per batch size and precision")
     p.add_argument("--models", default=MODELS, help="(a) and (d)")
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=256, help="(b)/(c): closed-loop clients")
     p.add_argument("--client-processes", type=int, default=4, help="(c): processes the clients are spread over")
     p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_microseconds with batching on")
-    p.add_argument("--reloads", type=int, default=3, help="(d): bare-loop loads and lru rounds per model")
+    p.add_argument("--reloads", type=int, default=2, help="(d): bare-loop loads and lru rounds per model")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the code")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))

@@ -10,8 +10,8 @@ from bench.sweep.report import read_csv
 
 def test_every_part_runs_on_the_cpu_and_writes_its_tables(tmp_path):
     out = tmp_path / "gpu"
-    common = ["--device", "cpu", "--out", str(out), "--duration", "0.6", "--warmup", "0.2", "--raw-seconds", "0.05",
-              "--clients", "8", "--client-processes", "1", "--reloads", "1"]
+    common = ["--device", "cpu", "--out", str(out), "--duration", "0.4", "--warmup", "0.1", "--raw-seconds", "0.02",
+              "--clients", "4", "--client-processes", "1", "--reloads", "1"]
     assert main([*common, "--parts", "a,b,c", "--models", "tiny_cnn", "--service-models", "tiny_cnn",
                  "--contexts", "1,2", "--modes", "inprocess", "--http-modes", "inprocess"]) == 0
     raw = read_csv(out / "gpu_a_raw.csv")
