@@ -100,11 +100,14 @@ class ThreadExecutor:
 
     def __init__(self, context: ExecutionContext, name: str) -> None:
         self.context = context
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # A context bound to its own thread (a CUDA-graph context) runs its batches there: no hop per batch.
+        self._own = context.executor is None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if self._own else context.executor
 
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, self.context, *args)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._own:
+            self._pool.shutdown(wait=True)
         self.context.release()

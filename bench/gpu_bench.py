@@ -1,234 +1,112 @@
-"""ResNet-18 on a GPU through ONNX Runtime's CUDA provider: raw engine versus the service, batching on and off.
+"""The GPU bench of issue 9: the raw engine, the batcher without HTTP, the service through HTTP, and device memory.
 
-Run on a machine with an NVIDIA GPU, onnxruntime-gpu and cuda-python::
+Run on a machine with an NVIDIA GPU, onnxruntime-gpu and cuda-python (onnxconverter-common for fp16)::
 
-    python -m bench.gpu_bench --out bench/results/gpu       # writes gpu_raw.csv, gpu_service.csv; prints tables
+    python -m bench.gpu_bench --out bench/results/gpu                 # every part (estimated 7-8 minutes, H200)
+    python -m bench.gpu_bench --parts a,d    # then --parts b,c: two calls that each fit a 10-minute window
 
-What it measures (each part in one run, so ratios compare like with like):
+One run writes, per part, a table (``.md``, also printed), a ``.csv`` (as soon as the part ends) and a ``.png``:
 
-1. correctness: the CUDA engine's outputs against ONNX Runtime on CPU for the same batch (max abs diff);
-2. raw engine throughput: one execution context called in a tight loop at batch 1, 8, 32, 128, host arrays in
-   and out (pinned staging, async copies, IOBinding: what the service's executor does per batch);
-3. the service at saturation: ``batcher serve`` with ``resnet18`` on CUDA, many closed-loop clients on loopback
-   (binary tensors, one row per request), with dynamic batching on (max_batch_size 32) and off (max_batch_size 1,
-   every request runs alone: the seeds' design), at 1, 2 and 4 instances; throughput, p50/p99 latency, average
-   batch size (from the server's metrics) and the ratio service / raw engine throughput at the batch size formed.
+* (a) ``gpu_a_raw``, ``gpu_a_precision``: the raw engine (one context, a CUDA graph per allowed size 1..32) in
+  rows/s at every allowed size and over a mixed-size workload, per precision (fp32 = TF32 off, tf32, fp16), each
+  batch copied once from numpy into pinned memory; at batch 32 the TF32/fp32 and fp16/TF32 ratios and each
+  precision's max abs and relative error against fp32 on CPU; tiny_cnn, mid_cnn, resnet18;
+* (b) ``gpu_b_runner``: the batcher and executors without HTTP (``DataPlane.infer`` with no-op read/deliver,
+  closed-loop asyncio clients), 1/2/4 contexts, batching on/off, contexts in this process and in worker processes;
+* (c) ``gpu_c_http``: the same through HTTP (a real ``batcher serve``, binary tensors, the toolkit's closed-loop
+  driver in client processes), with the server's CPU per request and the executor's times per batch;
+* (d) ``gpu_d_memory_batch``, ``gpu_d_memory_input``, ``gpu_d_reload``: seed 000's context-memory tables, memory
+  returned on release, and load times (cold, bare loop, lru reload);
+* (t, not by default) ``gpu_tests.txt``: the output of ``python -m pytest -v tests/gpu``.
+
+Rows of (b) and (c) give their ratio to (a) at the batch size they formed (``over_raw``; tf32, the GPU default)
+and, over 1 -> 2 -> 4 contexts with batching on, seed 002's rule (stop adding instances when QPS grows < 30%
+while p99 rises > 20%) with the count it picks. Progress lines are flushed as each step ends. ``--device cpu`` runs
+every part on the CPU provider (fp32 only) with tiny settings: a dry run of the bench's code, not a measurement.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
+from bench.gpubench.common import say
 from bench.scripts import script_parser
-from bench.server import ServerProcess
-from bench.sweep.report import markdown_table, write_csv
-from bench.sweep.requests import build_request, infer
-from bench.sweep.run import SweepConfig, run_sweep
 
-
-def _raw(batch_sizes: list[int], seconds: float) -> list[dict]:
-    from engines.onnxruntime import OnnxRuntimeEngine
-    from engines.zoo import resolve
-
-    engine = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda")
-    ctx = engine.create_context()
-    rows = []
-    rng = np.random.default_rng(0)
-    for b in batch_sizes:
-        x = rng.standard_normal((b, 3, 224, 224), dtype=np.float32)
-        staging = ctx.host_buffer("input", x.shape, x.dtype)
-
-        def once():  # what the executor does per batch: stack into the pinned buffer, execute
-            np.copyto(staging, x)
-            ctx.execute({"input": staging})
-
-        for _ in range(5):
-            once()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            once()
-            n += 1
-        dt = time.perf_counter() - t0
-        rows.append({"batch": b, "ms_per_batch": round(dt / n * 1e3, 3), "rows_per_s": round(n * b / dt, 1)})
-    ctx.release()
-    engine.release()
-    return rows
-
-
-def _raw_parallel(batch: int, contexts: int, seconds: float, gil_hog: bool = False) -> dict:
-    """``contexts`` contexts of one engine, each driven by its own thread in a tight loop (no HTTP);
-    ``gil_hog`` adds a thread running pure Python all the time, as a saturated event loop does."""
-    import threading
-
-    from engines.onnxruntime import OnnxRuntimeEngine
-    from engines.zoo import resolve
-
-    engine = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda")
-    ctxs = [engine.create_context() for _ in range(contexts)]
-    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224), dtype=np.float32)
-    counts = [0] * contexts
-    start = threading.Barrier(contexts + 1)
-    stop = threading.Event()
-
-    def drive(i):
-        staging = ctxs[i].host_buffer("input", x.shape, x.dtype)
-        for _ in range(5):
-            np.copyto(staging, x)
-            ctxs[i].execute({"input": staging})
-        start.wait()
-        while not stop.is_set():
-            np.copyto(staging, x)
-            ctxs[i].execute({"input": staging})
-            counts[i] += 1
-
-    def hog():
-        n = 0
-        start.wait()
-        while not stop.is_set():
-            n += 1
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(contexts)]
-    if gil_hog:
-        threads.append(threading.Thread(target=hog))
-        start = threading.Barrier(contexts + 2)
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    dt = time.perf_counter() - t0
-    for c in ctxs:
-        c.release()
-    engine.release()
-    return {"batch": batch, "contexts": contexts, "busy_python_thread": gil_hog,
-            "rows_per_s": round(sum(counts) * batch / dt, 1)}
-
-
-def _check(batch: int = 8) -> float:
-    from engines.onnxruntime import OnnxRuntimeEngine
-    from engines.zoo import resolve
-
-    x = {"input": np.random.default_rng(1).standard_normal((batch, 3, 224, 224), dtype=np.float32)}
-    outs = []
-    for device in ("cuda", "cpu"):
-        engine = OnnxRuntimeEngine(resolve("zoo:resnet18"), device=device, intra_op_threads=0)
-        ctx = engine.create_context()
-        outs.append(ctx.execute(x)["logits"])
-        ctx.release()
-        engine.release()
-    return float(np.max(np.abs(outs[0] - outs[1])))
-
-
-def _interp(raw: list[dict], batch: float) -> float:
-    xs = [r["batch"] for r in raw]
-    return float(np.interp(batch, xs, [r["rows_per_s"] for r in raw]))
-
-
-def _service(instances: int, batching: bool, args, workdir: Path, check_x: np.ndarray, check_want: np.ndarray):
-    cfg = {"models": [{
-        "name": "resnet18", "path": "zoo:resnet18", "instance_group": [{"count": instances, "kind": "KIND_GPU"}],
-        "max_batch_size": 32 if batching else 1, "mode": args.mode,
-        "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us if batching else 0,
-                             "default_queue_policy": {"max_queue_size": 1024}},
-    }]}
-    with ServerProcess(cfg, workdir, name=f"i{instances}-{'on' if batching else 'off'}") as server:
-        # correctness through the HTTP path as well
-        got = infer(f"{server.base}/v2/models/resnet18/infer", [("input", "FP32", check_x)])["logits"]
-        http_diff = float(np.max(np.abs(got - check_want)))
-        labels = {"model": "resnet18", "version": "1"}
-        inf0 = server.metric("batcher_inference_count_total", **labels)
-        exe0 = server.metric("batcher_execution_count_total", **labels)
-        x = np.random.default_rng(2).standard_normal((1, 3, 224, 224), dtype=np.float32)
-        load = SweepConfig(url=server.base, model="resnet18", mode="closed", concurrency=[args.clients],
-                           duration=args.duration, warmup=args.warmup, processes=args.client_processes,
-                           client_timeout_s=60, progress=False)
-        res = run_sweep(load, *build_request([("input", "FP32", x)]))[0]
-        m = server.metrics()
-        lk = tuple(sorted(labels.items()))
-        inf = m[("batcher_inference_count_total", lk)] - inf0
-        exe = m[("batcher_execution_count_total", lk)] - exe0
-        compute_ms = m[("batcher_compute_duration_seconds_sum", lk)] / max(m[("batcher_execution_count_total", lk)], 1)
-        phases = [m[(f"batcher_compute_{ph}_seconds_total", lk)] / max(m[("batcher_execution_count_total", lk)], 1)
-                  for ph in ("input", "infer", "output")]
-        queue_ms = m[("batcher_queue_duration_seconds_sum", lk)] / max(m[("batcher_queue_duration_seconds_count", lk)], 1)
-    return {
-        "instances": instances, "batching": "on" if batching else "off", "clients": args.clients,
-        "qps": round(res["achieved_qps"], 1), "p50_ms": round(res["p50_ms"], 2), "p99_ms": round(res["p99_ms"], 2),
-        "avg_batch": round(inf / exe, 2) if exe else 0.0, "compute_ms_per_batch": round(compute_ms * 1e3, 2),
-        "input_ms": round(phases[0] * 1e3, 2), "infer_ms": round(phases[1] * 1e3, 2),
-        "output_ms": round(phases[2] * 1e3, 2), "queue_ms": round(queue_ms * 1e3, 2), "errors": res["errors"],
-        "http_max_abs_diff": http_diff,
-    }
+MODELS = "tiny_cnn,mid_cnn,resnet18"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpu_bench", __doc__)
-    p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the CSV files")
-    p.add_argument("--raw-seconds", type=float, default=3.0, help="tight-loop time per raw batch size")
-    p.add_argument("--duration", type=float, default=8.0, help="measured seconds per service step")
-    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each service step")
-    p.add_argument("--clients", type=int, default=64, help="closed-loop clients")
-    p.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over")
+    p.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="folder for the tables, CSV, PNG")
+    p.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,b; t: the GPU tests (tests/gpu)")
+    p.add_argument("--duration", type=float, default=3.0, help="measured seconds of each (b)/(c) step")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each (b)/(c) step")
+    p.add_argument("--raw-seconds", type=float, default=0.4, help="(a): seconds per batch size and precision")
+    p.add_argument("--models", default=MODELS, help="(a) and (d)")
+    p.add_argument("--precisions", default="fp32,tf32,fp16", help="(a)")
+    p.add_argument("--service-models", default="resnet18", help="(b) and (c)")
+    p.add_argument("--contexts", default="1,2,4", help="(b) and (c): contexts per model")
+    p.add_argument("--modes", default="inprocess,multiproc", help="(b): where contexts run")
+    p.add_argument("--http-modes", default="inprocess", help="(c): where contexts run")
+    p.add_argument("--clients", type=int, default=256, help="(b)/(c): closed-loop clients")
+    p.add_argument("--client-processes", type=int, default=4, help="(c): processes the clients are spread over")
     p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_microseconds with batching on")
-    p.add_argument("--instances", default="1,2,4", help="instance counts to sweep")
-    p.add_argument("--raw-batches", default="1,8,32,128", help="batch sizes of the raw engine runs")
-    p.add_argument("--mode", choices=["inprocess", "multiproc"], default="inprocess",
-                   help="where the service runs its execution contexts (multiproc: worker processes, no shared GIL)")
-    p.add_argument("--skip-raw", action="store_true", help="only the service part")
+    p.add_argument("--reloads", type=int, default=2, help="(d): bare-loop loads and lru rounds per model")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the code")
     args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"a", "b", "c", "d", "t"}:
+        p.error(f"--parts takes a subset of a,b,c,d,t, got {args.parts}")
 
     import onnxruntime as ort
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        print("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU", file=sys.stderr)
+    if args.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        say("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU")
         return 3
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.skip_raw:
-        raw = [{"batch": 1, "rows_per_s": float("nan")}, {"batch": 32, "rows_per_s": float("nan")}]
-    else:
-        diff = _check()
-        print(f"correctness: resnet18 batch 8, CUDA vs CPU max abs diff = {diff:.2e} (limit 1e-3)")
-        raw = _raw([int(b) for b in args.raw_batches.split(",")], args.raw_seconds)
-        write_csv(args.out / "gpu_raw.csv", raw)
-        print("\nraw engine (one context, tight loop, host arrays in/out)\n" + markdown_table(raw))
-        par = [_raw_parallel(32, n, args.raw_seconds, hog) for hog in (False, True) for n in (1, 2, 4)]
-        write_csv(args.out / "gpu_raw_contexts.csv", par)
-        print("\nraw engine, several contexts each in its own thread (batch 32)\n" + markdown_table(par))
+    kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
+    precision = "tf32" if args.device == "cuda" else "fp32"
+    precisions = args.precisions.split(",") if args.device == "cuda" else ["fp32"]
+    models, service = args.models.split(","), args.service_models.split(",")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    t0 = time.perf_counter()
+    if "t" in parts:
+        import subprocess
 
-    from engines.onnxruntime import OnnxRuntimeEngine
-    from engines.zoo import resolve
+        say("== (t) GPU tests: python -m pytest tests/gpu")
+        args.out.mkdir(parents=True, exist_ok=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-v", "tests/gpu"], capture_output=True, text=True)
+        (args.out / "gpu_tests.txt").write_text(run.stdout + run.stderr)
+        say(run.stdout[-3000:])
+    raw: list[dict] = []
+    if "a" in parts:
+        from bench.gpubench.raw import part_a
 
-    check_x = np.random.default_rng(3).standard_normal((1, 3, 224, 224), dtype=np.float32)
-    cpu = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cpu", intra_op_threads=0)
-    cctx = cpu.create_context()
-    check_want = cctx.execute({"input": check_x})["logits"]
-    cctx.release()
-    cpu.release()
+        say(f"== (a) raw engine: {models}, {precisions}")
+        raw = part_a(models, precisions, args.device, args.raw_seconds, args.out)
+    elif {"b", "c"} & parts:  # ratios need the raw engine at the served precision: measure it briefly
+        from bench.gpubench.raw import part_a
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for inst in [int(i) for i in args.instances.split(",")]:
-            for batching in (True, False):
-                row = _service(inst, batching, args, Path(tmp), check_x, check_want)
-                row["raw_rows_per_s_at_avg_batch"] = round(_interp(raw, max(row["avg_batch"], 1)), 1)
-                row["service_over_raw"] = round(row["qps"] / row["raw_rows_per_s_at_avg_batch"], 3)
-                rows.append(row)
-                print(row, flush=True)
-    write_csv(args.out / f"gpu_service{'' if args.mode == 'inprocess' else '_' + args.mode}.csv", rows)
-    print("\nservice (closed loop, binary tensors, 1 row per request)\n" + markdown_table(rows))
-    for inst in sorted({r["instances"] for r in rows}):
-        on = next(r for r in rows if r["instances"] == inst and r["batching"] == "on")
-        off = next(r for r in rows if r["instances"] == inst and r["batching"] == "off")
-        print(f"instances {inst}: batching on/off throughput = {on['qps'] / off['qps']:.2f}x, "
-              f"p99 {on['p99_ms']} vs {off['p99_ms']} ms")
+        say("== (a) raw engine at the served precision, for the ratios of (b)/(c)")
+        raw = part_a(service, [precision], args.device, args.raw_seconds, args.out / "ratios")
+    if "b" in parts:
+        from bench.gpubench.runner import part_b
+
+        say(f"== (b) batcher without HTTP: {service}, contexts {contexts}, modes {args.modes} "
+            f"({time.perf_counter() - t0:.0f} s)")
+        part_b(service, args.modes.split(","), contexts, kind, raw, precision, args, args.out)
+    if "c" in parts:
+        from bench.gpubench.http import part_c
+
+        say(f"== (c) through HTTP: {service}, contexts {contexts} ({time.perf_counter() - t0:.0f} s)")
+        part_c(service, args.http_modes.split(","), contexts, kind, raw, precision, args, args.out)
+    if "d" in parts:
+        from bench.gpubench.memory import part_d
+
+        say(f"== (d) device memory and load times: {models} ({time.perf_counter() - t0:.0f} s)")
+        part_d(models, args.device, args.reloads, args.out)
+    say(f"\ndone in {time.perf_counter() - t0:.0f} s; results in {args.out}")
     return 0
 
 

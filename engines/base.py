@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,14 +53,43 @@ class ExecutionContext(abc.ABC):
 
         Args:
             inputs: every input of the engine by name; each array's first dimension is the batch size ``n``
-                (``1 <= n <= engine.max_batch_size``), dtypes as the engine's :class:`TensorSpec` says.
+                (``1 <= n <= engine.max_batch_size``, and one of :attr:`batch_sizes` when that is not ``None``),
+                dtypes as the engine's :class:`TensorSpec` says.
 
         Returns:
-            every output by name, each with first dimension ``n``.
+            every output by name, each with first dimension ``n``; arrays the caller owns (never views of buffers
+            that the next batch overwrites).
 
         Raises:
             EngineError: the backend failed on this batch (the context stays usable).
         """
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        """The batch sizes this context prepared executables for (a CUDA graph per size, TensorRT's shapes), in
+        increasing order; :meth:`execute` may then only be called with a first dimension in this tuple (the caller
+        pads a batch up to the next size and slices the outputs back). ``None``: any size from 1 to the maximum."""
+        return None
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory of this context in bytes (sessions, weights, workspaces and CUDA graphs included), as
+        measured with ``cudaMemGetInfo`` around its creation or reported by the backend; 0 on CPU."""
+        return 0
+
+    @property
+    def executor(self) -> Executor | None:
+        """A single-thread executor this context must be used from, or ``None`` (any one thread at a time).
+
+        ONNX Runtime keeps the CUDA graphs it captured per host thread, so a CUDA-graph context owns the thread that
+        captured them; :meth:`execute` called from another thread hands the batch over to it (one thread hop each
+        way). A caller that runs its per-batch work on this executor avoids the hop."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Small JSON-able facts for metadata and statistics, e.g. ``{"execution": "cuda_graphs",
+        "batch_sizes": [1, 2, 4, 8, 16, 32], "precision": "tf32"}``."""
+        return {}
 
     def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """A writable host array for input ``name`` that :meth:`execute` reads without a further copy
@@ -109,6 +140,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def nbytes(self) -> int:
         """Memory held by the engine itself (weights, plan), excluding its contexts, in bytes."""
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory held by the engine itself, excluding its contexts, in bytes (TensorRT: the plan's weights
+        and kernels); 0 where every context holds its own copy (ONNX Runtime: one session per context)."""
+        return 0
 
     @abc.abstractmethod
     def create_context(self) -> ExecutionContext:

@@ -2,7 +2,11 @@
 
 The parent talks to each worker over a Unix domain socket (``multiprocessing.connection``, family AF_UNIX) and
 passes tensors through shared memory (``multiprocessing.shared_memory``): per call, only shapes, dtypes and
-segment names cross the socket. Each segment is unlinked by the process that created it (workers share the
+segment names cross the socket. Each input has its own segment, grown on demand; :meth:`MultiprocContext.host_buffer`
+hands out views of it, so a caller stacks a batch straight into shared memory. On CUDA the worker page-locks each
+input segment (``cudaHostRegister``), so its context copies host-to-device straight from shared memory: one host
+copy per batch in all (into the segment). The worker runs its batches on the context's own thread where it has
+one (a CUDA-graph context, :attr:`ExecutionContext.executor`). Each segment is unlinked by the process that created it (workers share the
 server's resource tracker, which reports any segment left behind). A worker that dies (a crash, ``kill -9``) fails the batch it was running with
 :class:`WorkerCrashed`; the next batch on that context starts a new worker, after a backoff that doubles from
 0.1 s up to 5 s while workers keep dying. The worker runs another backend (ONNX Runtime here) in its own process,
@@ -37,6 +41,41 @@ class WorkerCrashed(EngineUnavailable):
 
 
 # --------------------------------------------------------------------------- worker side
+class _Segments:
+    """The worker's view of the parent's input segments: opened by name, page-locked on CUDA, closed when the
+    parent replaces one (it grew) or at exit."""
+
+    def __init__(self, register: bool) -> None:
+        self.register = register
+        self.by_input: dict[str, tuple[str, SharedMemory, Any]] = {}  # input -> (segment name, segment, registration)
+
+    def buffer(self, name: str, seg_name: str) -> memoryview:
+        held = self.by_input.get(name)
+        if held is None or held[0] != seg_name:
+            if held is not None:
+                self._close(held)
+            seg = SharedMemory(name=seg_name)
+            reg = None
+            if self.register:
+                from .cuda import CAPTURE_GATE, HostRegistration
+
+                with CAPTURE_GATE.shared():
+                    reg = HostRegistration(np.frombuffer(seg.buf, np.uint8).ctypes.data, seg.size)
+            held = self.by_input[name] = (seg_name, seg, reg)
+        return held[1].buf
+
+    @staticmethod
+    def _close(held: tuple[str, SharedMemory, Any]) -> None:
+        if held[2] is not None:
+            held[2].unregister()
+        held[1].close()
+
+    def close(self) -> None:
+        for held in self.by_input.values():
+            self._close(held)
+        self.by_input.clear()
+
+
 def _worker_main(address: str, authkey: bytes, path: str, options: dict) -> None:
     from .onnxruntime import OnnxRuntimeEngine
 
@@ -48,18 +87,22 @@ def _worker_main(address: str, authkey: bytes, path: str, options: dict) -> None
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", {"inputs": engine.inputs, "outputs": engine.outputs, "max_batch_size": engine.max_batch_size,
-                         "engine_bytes": engine.nbytes, "context_bytes": ctx.nbytes, "pid": os.getpid()}))
-    segments: dict[str, SharedMemory] = {}
+                         "engine_bytes": engine.nbytes, "context_bytes": ctx.nbytes,
+                         "device_bytes": ctx.device_nbytes, "batch_sizes": ctx.batch_sizes,
+                         "describe": ctx.describe(), "pid": os.getpid()}))
+    segments = _Segments(register=options.get("device") == "cuda")
     try:
-        _serve(conn, ctx, segments)
+        if ctx.executor is not None:  # the context's own thread: no hop per batch
+            ctx.executor.submit(_serve, conn, ctx, segments).result()
+        else:
+            _serve(conn, ctx, segments)
     finally:
-        for seg in segments.values():
-            seg.close()
+        segments.close()
         ctx.release()
         engine.release()
 
 
-def _serve(conn, ctx: ExecutionContext, segments: dict[str, SharedMemory]) -> None:
+def _serve(conn, ctx: ExecutionContext, segments: _Segments) -> None:
     out_shm: SharedMemory | None = None
     try:
         while True:
@@ -76,17 +119,11 @@ def _serve(conn, ctx: ExecutionContext, segments: dict[str, SharedMemory]) -> No
             out_shm.unlink()
 
 
-def _run_one(conn, ctx: ExecutionContext, segments: dict[str, SharedMemory], out_shm: SharedMemory | None,
-             msg: tuple) -> SharedMemory | None:
-    """Execute one batch: inputs from the parent's segment, outputs into this worker's segment."""
-    shm_name, specs = msg
-    if shm_name not in segments:
-        for old in segments.values():
-            old.close()
-        segments.clear()
-        segments[shm_name] = SharedMemory(name=shm_name)
-    buf = segments[shm_name].buf
-    inputs = {name: np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off) for name, dt, shape, off in specs}
+def _run_one(conn, ctx: ExecutionContext, segments: _Segments, out_shm: SharedMemory | None,
+             msg: list) -> SharedMemory | None:
+    """Execute one batch: inputs from the parent's segments (one per input), outputs into this worker's segment."""
+    inputs = {name: np.ndarray(shape, dtype=np.dtype(dt), buffer=segments.buffer(name, seg_name))
+              for name, dt, shape, seg_name in msg}
     try:
         outputs = ctx.execute(inputs)
     except EngineError as exc:
@@ -109,6 +146,15 @@ def _run_one(conn, ctx: ExecutionContext, segments: dict[str, SharedMemory], out
 
 
 # --------------------------------------------------------------------------- parent side
+def _drop(seg: SharedMemory) -> None:
+    """Unlink a segment this process created; its mapping goes when the last view of it does (a caller may still
+    hold a :meth:`MultiprocContext.host_buffer` view)."""
+    try:
+        seg.close()
+    except BufferError:
+        pass
+    seg.unlink()
+
 class _Worker:
     """One worker process and its connection."""
 
@@ -160,9 +206,10 @@ class MultiprocContext(ExecutionContext):
     def __init__(self, owner: MultiprocEngine, worker: _Worker) -> None:
         self._owner = owner
         self._worker: _Worker | None = worker
-        self._shm: SharedMemory | None = None
+        self._segments: dict[str, SharedMemory] = {}  # input name -> its segment
         self._crashes = 0
         self._next_start = 0.0
+        self._info = worker.info
 
     @property
     def pid(self) -> int | None:
@@ -172,12 +219,41 @@ class MultiprocContext(ExecutionContext):
     def nbytes(self) -> int:
         return self._worker.info["context_bytes"] if self._worker is not None else 0
 
+    @property
+    def device_nbytes(self) -> int:
+        return self._worker.info["device_bytes"] if self._worker is not None else 0
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        return self._info["batch_sizes"]
+
+    def describe(self) -> dict[str, Any]:
+        return {**self._info["describe"], "process": "worker"}
+
+    def _segment(self, name: str, nbytes: int) -> SharedMemory:
+        """Input ``name``'s segment, replaced by a larger one when it cannot hold ``nbytes``."""
+        seg = self._segments.get(name)
+        if seg is None or seg.size < nbytes:
+            if seg is not None:
+                _drop(seg)
+            seg = self._segments[name] = SharedMemory(create=True, size=max(nbytes, 1 << 16))
+        return seg
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A view of input ``name``'s shared-memory segment: a batch stacked into it crosses to the worker without
+        another copy (and, on CUDA, reaches the device straight from it). ``None`` for an unknown input."""
+        if name not in {spec.name for spec in self._info["inputs"]}:
+            return None
+        dtype = np.dtype(dtype)
+        return np.ndarray(shape, dtype, buffer=self._segment(name, int(np.prod(shape)) * dtype.itemsize).buf)
+
     def _ensure_worker(self) -> _Worker:
         if self._worker is None:
             delay = self._next_start - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             self._worker = self._owner._start_worker()
+            self._info = self._worker.info
             self._owner._restarted()
         return self._worker
 
@@ -196,19 +272,15 @@ class MultiprocContext(ExecutionContext):
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         worker = self._ensure_worker()
-        need = sum(a.nbytes for a in inputs.values())
-        if self._shm is None or self._shm.size < need:
-            if self._shm is not None:
-                self._shm.close()
-                self._shm.unlink()
-            self._shm = SharedMemory(create=True, size=max(need, 1 << 20))
-        off, specs = 0, []
+        specs = []
         for name, arr in inputs.items():
-            np.ndarray(arr.shape, arr.dtype, buffer=self._shm.buf, offset=off)[...] = arr
-            specs.append((name, arr.dtype.str, arr.shape, off))
-            off += arr.nbytes
+            seg = self._segment(name, arr.nbytes)
+            view = np.ndarray(arr.shape, arr.dtype, buffer=seg.buf)
+            if view.ctypes.data != arr.ctypes.data:  # not stacked into the segment by host_buffer
+                view[...] = arr
+            specs.append((name, arr.dtype.str, arr.shape, seg.name))
         try:
-            worker.conn.send((self._shm.name, specs))
+            worker.conn.send(specs)
             reply = worker.conn.recv()
         except (EOFError, OSError) as exc:
             raise self._crashed(type(exc).__name__) from None
@@ -227,10 +299,9 @@ class MultiprocContext(ExecutionContext):
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        for seg in self._segments.values():
+            _drop(seg)
+        self._segments.clear()
 
 
 class MultiprocEngine(Engine):

@@ -7,7 +7,9 @@ tuples like them (``tests/test_cuda_api.py`` checks it is a subset of the real `
 
 The fake device:
 
-* device memory is a dict ``pointer -> bytearray`` (pointers from 0x7_0000_0000 up, 256-byte aligned);
+* device memory is a dict ``pointer -> memory`` (``len()`` gives its size); it is real host memory at a 256-byte
+  aligned address, so a CPU library (ONNX Runtime's CPU build, bound with IOBinding) can read and write a "device"
+  buffer by its address, as a GPU library does on a GPU;
 * pinned host memory (``cudaMallocHost``) is real host memory (ctypes buffers), so numpy can view it and
   ``cudaMemcpyAsync`` reads/writes it by address; ``cudaHostRegister`` page-locks any host range the same way.
   Host pointers passed to a copy must lie inside a pinned or registered range, device pointers inside a device
@@ -39,16 +41,26 @@ from typing import Any
 IPC_MAGIC = b"FAKEIPC\0"
 
 
+class _DeviceMemory:
+    """One fake device allocation: ``nbytes`` of real host memory at a 256-byte aligned address ``ptr``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._buf = (ctypes.c_uint8 * (max(nbytes, 1) + 256))()
+        self.ptr = (ctypes.addressof(self._buf) + 255) // 256 * 256
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
 class FakeGPU:
     """State of the fake device and the knobs tests turn. Not a mirror of any real API."""
-
-    DEVICE_BASE = 0x7_0000_0000
 
     def __init__(self, total_memory: int = 80 << 30, device_count: int = 1, capability: tuple[int, int] = (9, 0)):
         self.total_memory = total_memory
         self.device_count = device_count
         self.capability = capability
-        self.device: dict[int, bytearray] = {}  # base pointer -> memory
+        self.device: dict[int, _DeviceMemory] = {}  # base pointer -> memory
         self.device_owner: dict[int, str] = {}  # base pointer -> "cudaMalloc" | "weights" | "activation"
         self.host: dict[int, Any] = {}  # base pointer -> ctypes buffer (pinned)
         self.registered: dict[int, int] = {}  # cudaHostRegister: base pointer -> bytes
@@ -71,17 +83,15 @@ class FakeGPU:
         self.refuse_shapes: set[tuple[str, tuple[int, ...]]] = set()  # set_input_shape returns False for these
         self.executions: list[dict[str, tuple[int, ...]]] = []  # input shapes of each execute_async_v3 that RAN
         self.last_inputs: dict[str, Any] = {}  # input tensors as the last execution read them
-        self._next = self.DEVICE_BASE
         self._ids = itertools.count(1)
 
     # ---- device memory
 
     def alloc(self, nbytes: int, owner: str) -> int:
-        ptr = self._next
-        self._next += (max(nbytes, 1) + 255) // 256 * 256 + 256
-        self.device[ptr] = bytearray(nbytes)
-        self.device_owner[ptr] = owner
-        return ptr
+        mem = _DeviceMemory(nbytes)
+        self.device[mem.ptr] = mem
+        self.device_owner[mem.ptr] = owner
+        return mem.ptr
 
     def free(self, ptr: int) -> bool:
         if ptr not in self.device:
@@ -93,7 +103,7 @@ class FakeGPU:
     def used(self) -> int:
         return sum(len(b) for b in self.device.values())
 
-    def find_device(self, ptr: int, nbytes: int) -> tuple[bytearray, int] | None:
+    def find_device(self, ptr: int, nbytes: int) -> tuple[_DeviceMemory, int] | None:
         for base, mem in self.device.items():
             if base <= ptr and ptr + nbytes <= base + len(mem):
                 return mem, ptr - base
@@ -108,15 +118,13 @@ class FakeGPU:
         found = self.find_device(ptr, nbytes)
         if found is None:
             raise IndexError(f"device read of {nbytes} B at {ptr:#x} outside any allocation")
-        mem, off = found
-        return bytes(mem[off : off + nbytes])
+        return ctypes.string_at(ptr, nbytes)
 
     def write(self, ptr: int, data: bytes) -> None:
         found = self.find_device(ptr, len(data))
         if found is None:
             raise IndexError(f"device write of {len(data)} B at {ptr:#x} outside any allocation")
-        mem, off = found
-        mem[off : off + len(data)] = data
+        ctypes.memmove(ptr, data, len(data))
 
     # ---- streams, capture
 

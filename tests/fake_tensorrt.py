@@ -219,20 +219,29 @@ def _make_trt(gpu: FakeGPU, cudart: ModuleType) -> ModuleType:
             return [Dims(s) for s in self._inputs[name]["profiles"][profile_index]]
 
         def create_execution_context(self, strategy=ExecutionContextAllocationStrategy.STATIC):
-            return IExecutionContext(self)
+            return IExecutionContext(self, strategy)
 
         def __del__(self):
             gpu.free(self._weights_ptr)
             gpu.events.append("engine destroyed")
 
     class IExecutionContext:
-        def __init__(self, engine):
+        def __init__(self, engine, strategy=ExecutionContextAllocationStrategy.STATIC):
             self._engine = engine  # the real context keeps its engine alive too
             self._profile = 0
             self._shapes: dict[str, tuple[int, ...]] = {}
             self._addresses: dict[str, int] = {}
-            self._activation_ptr = gpu.alloc(engine.device_memory_size_v2, "activation")
+            self._user_memory: int | None = None  # USER_MANAGED: set_device_memory's address
+            self._activation_ptr = None
+            if strategy != ExecutionContextAllocationStrategy.USER_MANAGED:
+                self._activation_ptr = gpu.alloc(engine.device_memory_size_v2, "activation")
             gpu.events.append("context created")
+
+        def set_device_memory(self, memory, size):
+            if self._activation_ptr is not None or size < self._engine.device_memory_size_v2 or gpu.find_device(
+                    int(memory), int(size)) is None or int(memory) % 256:
+                raise RuntimeError("set_device_memory: not a USER_MANAGED context, too small, or not device memory")
+            self._user_memory = int(memory)
 
         @property
         def active_optimization_profile(self):
@@ -286,6 +295,8 @@ def _make_trt(gpu: FakeGPU, cudart: ModuleType) -> ModuleType:
                 return False
             if any(n not in self._addresses for n in eng._order):
                 return False
+            if self._activation_ptr is None and self._user_memory is None:
+                return False  # USER_MANAGED without device memory
             shapes = dict(self._shapes)
             outs = {n: tuple(self.get_tensor_shape(n)) for n in eng._outputs}
             addresses = dict(self._addresses)
@@ -314,7 +325,8 @@ def _make_trt(gpu: FakeGPU, cudart: ModuleType) -> ModuleType:
             return True
 
         def __del__(self):
-            gpu.free(self._activation_ptr)
+            if self._activation_ptr is not None:
+                gpu.free(self._activation_ptr)
             gpu.events.append("context destroyed")
 
     for obj in (

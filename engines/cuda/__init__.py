@@ -8,7 +8,9 @@
 * :mod:`.stream`: :class:`Stream`, :class:`Event` (timing), :class:`Graph` (stream capture, launch);
 * :mod:`.memory`: :class:`PinnedBuffer`, :class:`DeviceBuffer`, :class:`HostRegistration`
   (``cudaHostRegister`` of an existing range), :class:`IpcMemory` (``cudaIpcOpenMemHandle``),
-  :func:`memcpy_async`.
+  :func:`memcpy_async`, :func:`page_locked`;
+* :mod:`.gate`: :data:`CAPTURE_GATE`, the process-wide lock that keeps all CUDA work out of the way of ONNX
+  Runtime's Global-mode graph captures.
 
 Nothing here imports cuda-python until a call needs it: CPU-only installs import this package freely. No other
 module of ``engines`` touches the CUDA runtime (``tests/test_cuda_api.py`` checks that, and every runtime name the
@@ -16,7 +18,17 @@ layer uses, against the real bindings).
 """
 
 from .device import compute_capability, device_count, mem_get_info, require_device, set_device
-from .memory import IPC_HANDLE_BYTES, DeviceBuffer, HostRegistration, IpcMemory, PinnedBuffer, host_array, memcpy_async
+from .gate import CAPTURE_GATE, CaptureGate
+from .memory import (
+    IPC_HANDLE_BYTES,
+    DeviceBuffer,
+    HostRegistration,
+    IpcMemory,
+    PinnedBuffer,
+    host_array,
+    memcpy_async,
+    page_locked,
+)
 from .runtime import CUDART_API, CudaError, check, runtime, set_runtime, use_runtime
 from .stream import Event, Graph, Stream
 
@@ -42,4 +54,7 @@ __all__ = [
     "IPC_HANDLE_BYTES",
     "host_array",
     "memcpy_async",
+    "page_locked",
+    "CAPTURE_GATE",
+    "CaptureGate",
 ]

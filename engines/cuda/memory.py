@@ -9,6 +9,7 @@ untouched until the stream has been synchronized.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -17,6 +18,28 @@ from .stream import Stream
 
 #: Bytes of a ``cudaIpcMemHandle_t`` (``CU_IPC_HANDLE_SIZE``), as Triton's CUDA shared-memory extension sends it.
 IPC_HANDLE_BYTES = 64
+
+
+#: Live page-locked host ranges of this process (pinned buffers and registrations): base address -> bytes.
+_LOCKED: dict[int, int] = {}
+_LOCKED_LOCK = threading.Lock()
+
+
+def _track(ptr: int, nbytes: int) -> None:
+    with _LOCKED_LOCK:
+        _LOCKED[ptr] = nbytes
+
+
+def _untrack(ptr: int) -> None:
+    with _LOCKED_LOCK:
+        _LOCKED.pop(ptr, None)
+
+
+def page_locked(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies inside one live :class:`PinnedBuffer` or :class:`HostRegistration` of
+    this process, so that a copy from it is real asynchronous DMA and needs no staging copy first."""
+    with _LOCKED_LOCK:
+        return any(base <= ptr and ptr + nbytes <= base + size for base, size in _LOCKED.items())
 
 
 def host_array(ptr: int, nbytes: int) -> np.ndarray:
@@ -68,6 +91,7 @@ class PinnedBuffer:
         self.nbytes = max(1, int(nbytes))
         self.ptr = int(check(runtime().cudaMallocHost(self.nbytes), f"cudaMallocHost({self.nbytes})"))
         self.array = host_array(self.ptr, self.nbytes)
+        _track(self.ptr, self.nbytes)
 
     def view(self, shape: tuple[int, ...], dtype: np.dtype | type | str) -> np.ndarray:
         """A writable array of ``shape``/``dtype`` over the buffer's first bytes.
@@ -85,6 +109,7 @@ class PinnedBuffer:
         """Free the memory (``cudaFreeHost``; CudaError if refused); its views are invalid afterwards. Idempotent."""
         self.array = np.zeros(0, np.uint8)  # drop the view before its memory goes
         for ptr in take(self, "ptr", 0):
+            _untrack(ptr)
             check(runtime().cudaFreeHost(ptr), f"cudaFreeHost({ptr:#x})")
 
 
@@ -138,6 +163,7 @@ class HostRegistration:
         flags = cudart.cudaHostRegisterReadOnly if read_only else cudart.cudaHostRegisterDefault
         check(cudart.cudaHostRegister(ptr, nbytes, flags), f"cudaHostRegister({ptr:#x}, {nbytes}, {int(flags)})")
         self.ptr, self.nbytes = int(ptr), int(nbytes)
+        _track(self.ptr, self.nbytes)
 
     def unregister(self) -> None:
         """Undo the registration (``cudaHostUnregister``); the memory stays the caller's. Idempotent.
@@ -146,6 +172,7 @@ class HostRegistration:
             CudaError: CUDA refused (``cudaErrorHostMemoryNotRegistered``: unregistered behind our back).
         """
         for ptr in take(self, "ptr", 0):
+            _untrack(ptr)
             check(runtime().cudaHostUnregister(ptr), f"cudaHostUnregister({ptr:#x})")
 
 

@@ -31,7 +31,8 @@ RUNTIME_INSTALL: dict[str, str] = {
 #: tests/test_tensorrt_api.py checks that the modules of this package use exactly these and that each exists in
 #: the real bindings.
 TRT_API: dict[str, tuple[str, ...]] = {
-    "module": ("__version__", "Logger", "Runtime", "DataType", "TensorIOMode", "TensorLocation", "EngineStat"),
+    "module": ("__version__", "Logger", "Runtime", "DataType", "TensorIOMode", "TensorLocation", "EngineStat",
+               "ExecutionContextAllocationStrategy"),
     "Logger": ("WARNING",),
     "Runtime": ("engine_host_code_allowed", "deserialize_cuda_engine"),
     "ICudaEngine": (
@@ -54,11 +55,13 @@ TRT_API: dict[str, tuple[str, ...]] = {
         "get_tensor_shape",
         "set_tensor_address",
         "execute_async_v3",
+        "set_device_memory",
     ),
     "DataType": ("FLOAT", "HALF", "BF16", "INT8", "INT32", "INT64", "BOOL", "UINT8"),
     "TensorIOMode": ("INPUT", "OUTPUT"),
     "TensorLocation": ("DEVICE",),
     "EngineStat": ("TOTAL_WEIGHTS_SIZE",),
+    "ExecutionContextAllocationStrategy": ("USER_MANAGED",),
 }
 
 #: TensorRT ``DataType`` member name -> KServe v2 datatype (the I/O types this backend serves).

@@ -3,19 +3,23 @@ buffers, and the batch sequence (see the package docstring)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..base import EngineError, ExecutionContext
-from ..cuda import CudaError, DeviceBuffer, PinnedBuffer, Stream, set_device
+from ..cuda import CAPTURE_GATE, CudaError, DeviceBuffer, PinnedBuffer, Stream, set_device
 from ..datatypes import NUMPY_DTYPES
 from .api import TensorRTError, dims
+from .graphs import ShapeGraph, capture_graphs, graph_sizes
 from .profiles import ProfileBounds, Shape, buffer_nbytes, slice_rows
 
 if TYPE_CHECKING:
     from .engine import TensorRTEngine
+
+log = logging.getLogger("engines.tensorrt")
 
 
 class TensorRTContext(ExecutionContext):
@@ -29,7 +33,7 @@ class TensorRTContext(ExecutionContext):
             Everything allocated so far is freed.
     """
 
-    def __init__(self, owner: TensorRTEngine, profile: int) -> None:
+    def __init__(self, owner: TensorRTEngine, profile: int, batch_sizes: tuple[int, ...] | None = None) -> None:
         self._owner = owner
         self._cuda_engine = owner._cuda_engine
         self.profile_index = profile
@@ -41,8 +45,15 @@ class TensorRTContext(ExecutionContext):
         self._released = False
         self._activation_nbytes = 0
         self._bounds = ProfileBounds.of(owner._profiles, profile)
+        self._graphs: dict[int, ShapeGraph] = {}  # batch size -> its context and CUDA graph (with batch_sizes)
+        self._activation: DeviceBuffer | None = None  # their shared activation memory
+        self._fallback: str | None = graph_sizes(self._bounds, batch_sizes) if batch_sizes else None
+        self._sizes = batch_sizes if batch_sizes and self._fallback is None else None
+        if self._fallback:
+            log.warning("%s: no CUDA graphs (%s); batches run by execute_async_v3", owner.path.name, self._fallback)
         try:
-            self._setup()
+            with CAPTURE_GATE.shared():  # no ONNX Runtime capture of this process may run meanwhile
+                self._setup()
         except BaseException:
             self._free_all()
             raise
@@ -52,6 +63,17 @@ class TensorRTContext(ExecutionContext):
         set_device(self._owner.device_id)
         stream = self._stream = Stream()
         self._activation_nbytes = int(cuda_engine.device_memory_size_v2)
+        if self._sizes:  # a context and a CUDA graph per allowed size (.graphs); no context of the default strategy
+            owner = self._owner
+            trt = owner._trt
+            try:
+                self._activation, self._graphs = capture_graphs(
+                    self._cuda_engine, trt, self._bounds, self._sizes, stream, [o.name for o in owner.outputs],
+                    self._allocate, self._device)
+            except BaseException as exc:
+                self._activation, self._graphs = getattr(exc, "partial", (None, {}))
+                raise
+            return
         trt_context = cuda_engine.create_execution_context()
         if trt_context is None:
             raise TensorRTError("create_execution_context() returned None (out of device memory?)")
@@ -73,14 +95,36 @@ class TensorRTContext(ExecutionContext):
                     "IOutputAllocator)"
                 )
             shapes[spec.name] = shape
-        for name, shape in shapes.items():
-            nbytes = buffer_nbytes(shape, self._dtypes[name])
-            self._device[name] = device = DeviceBuffer(nbytes)
-            self._pinned[name] = PinnedBuffer(nbytes)
+        self._allocate(shapes)
+        for name, device in self._device.items():
             if not trt_context.set_tensor_address(name, device.ptr):
                 raise TensorRTError(f"set_tensor_address({name!r}) refused")
 
+    def _allocate(self, shapes: dict[str, Shape]) -> None:
+        """One device and one pinned buffer per I/O tensor, sized for ``shapes`` (the profile's largest)."""
+        for name, shape in shapes.items():
+            nbytes = buffer_nbytes(shape, self._dtypes[name])
+            self._device[name] = DeviceBuffer(nbytes)
+            self._pinned[name] = PinnedBuffer(nbytes)
+
     # ---- contract
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        """The sizes with a CUDA graph (``None``: any size in the profile, enqueued without graphs)."""
+        return self._sizes
+
+    @property
+    def device_nbytes(self) -> int:
+        return self.nbytes
+
+    def describe(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {"execution": "tensorrt_graphs" if self._sizes else "tensorrt",
+                                 "batch_sizes": list(self._sizes) if self._sizes else None,
+                                 "profile": self.profile_index, "device_id": self._owner.device_id}
+        if self._fallback:
+            facts["fallback_reason"] = self._fallback
+        return facts
 
     @property
     def nbytes(self) -> int:
@@ -140,20 +184,21 @@ class TensorRTContext(ExecutionContext):
         arrays = {n: np.ascontiguousarray(a) for n, a in inputs.items()}
         rows, shapes = self._bounds.launch_shapes(arrays, self._dtypes)
         set_device(self._owner.device_id)
-        out_shapes = self._set_shapes(shapes)
         stream = self._stream
         assert stream is not None
+        graph = None
+        if self._sizes:
+            launch = next(iter(shapes.values()))[0]
+            graph = self._graphs.get(launch)
+            if graph is None:
+                raise EngineError(f"batch of {rows} rows: this context runs only the batch sizes {list(self._sizes)}; "
+                                  "pad the batch up to the next one")
+            out_shapes = graph.outputs
+        else:
+            out_shapes = set_shapes(self._trt_context, shapes, self._bounds, self._dtypes, self._device)
         try:
-            for name, shape in shapes.items():
-                nbytes = buffer_nbytes(shape, self._dtypes[name])
-                self._stage(name, arrays[name], nbytes)
-                self._device[name].copy_from_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
-            if not self._trt_context.execute_async_v3(stream.ptr):
-                raise TensorRTError(f"execute_async_v3 returned False for input shapes {shapes}")
-            for name, shape in out_shapes.items():
-                nbytes = buffer_nbytes(shape, self._dtypes[name])
-                self._device[name].copy_to_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
-            stream.synchronize()
+            with CAPTURE_GATE.shared():
+                self._run(shapes, out_shapes, arrays, graph, stream)
         except (CudaError, TensorRTError):
             try:  # let queued copies finish before the pinned buffers are reused
                 stream.synchronize()
@@ -165,39 +210,21 @@ class TensorRTContext(ExecutionContext):
             for name, shape in out_shapes.items()
         }
 
-    def _set_shapes(self, shapes: Mapping[str, Shape]) -> dict[str, Shape]:
-        """``set_input_shape`` for every input, then every output's shape as TensorRT infers it.
-
-        Raises:
-            TensorRTError: TensorRT refused an input shape, or an output does not fit its buffer.
-        """
-        trt_context = self._trt_context
+    def _run(self, shapes: Mapping[str, Shape], out_shapes: Mapping[str, Shape], arrays: Mapping[str, np.ndarray],
+             graph: ShapeGraph | None, stream: Stream) -> None:
+        """Stage and copy the inputs, launch the graph or enqueue, copy the outputs back, synchronize once."""
         for name, shape in shapes.items():
-            if not trt_context.set_input_shape(name, shape):
-                lo, hi = self._bounds.shapes[name]
-                raise TensorRTError(
-                    f"TensorRT refused set_input_shape({name!r}, {list(shape)}) "
-                    f"(profile {self.profile_index}: min {list(lo)}, max {list(hi)})"
-                )
-        out_shapes: dict[str, Shape] = {}
-        for spec in self._owner.outputs:
-            shape = dims(trt_context.get_tensor_shape(spec.name))
-            need = buffer_nbytes(shape, self._dtypes[spec.name]) if min(shape, default=0) >= 0 else -1
-            if need < 0 or need > self._device[spec.name].nbytes:
-                raise TensorRTError(
-                    f"output {spec.name!r} shape {list(shape)} for inputs {dict(shapes)} does not fit its buffer"
-                )
-            out_shapes[spec.name] = shape
-        return out_shapes
-
-    def _stage(self, name: str, arr: np.ndarray, nbytes: int) -> None:
-        """Put ``arr`` into input ``name``'s pinned buffer (unless it is already there: :meth:`host_buffer`) and
-        zero the padding rows up to ``nbytes`` (the size of the launch shape)."""
-        view = self._pinned[name].array
-        if arr.ctypes.data != self._pinned[name].ptr:
-            view[: arr.nbytes] = arr.reshape(-1).view(np.uint8)
-        if nbytes > arr.nbytes:
-            view[arr.nbytes : nbytes] = 0  # padding rows up to the profile's minimum batch, not stale data
+            nbytes = buffer_nbytes(shape, self._dtypes[name])
+            stage(self._pinned[name], arrays[name], nbytes)
+            self._device[name].copy_from_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
+        if graph is not None:
+            graph.graph.launch(stream)
+        elif not self._trt_context.execute_async_v3(stream.ptr):
+            raise TensorRTError(f"execute_async_v3 returned False for input shapes {shapes}")
+        for name, shape in out_shapes.items():
+            nbytes = buffer_nbytes(shape, self._dtypes[name])
+            self._device[name].copy_to_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
+        stream.synchronize()
 
     def release(self) -> None:
         """Destroy the IExecutionContext, free device and pinned buffers, destroy the stream. Idempotent.
@@ -228,6 +255,12 @@ class TensorRTContext(ExecutionContext):
 
         if self._stream is not None:
             attempt(self._stream.synchronize)
+        for shape_graph in self._graphs.values():
+            attempt(shape_graph.graph.destroy)
+        self._graphs = {}  # destroys the per-size IExecutionContexts, before their activation memory
+        if self._activation is not None:
+            attempt(self._activation.free)
+            self._activation = None
         self._trt_context = None  # destroys the IExecutionContext (and its activation memory) first
         self._cuda_engine = None  # a released context must not keep the ICudaEngine alive
         for buf in [*self._device.values(), *self._pinned.values()]:
@@ -237,3 +270,38 @@ class TensorRTContext(ExecutionContext):
             attempt(self._stream.destroy)
             self._stream = None
         return errors
+
+
+def set_shapes(trt_context: Any, shapes: Mapping[str, Shape], bounds: ProfileBounds, dtypes: Mapping[str, np.dtype],
+               device: Mapping[str, DeviceBuffer]) -> dict[str, Shape]:
+    """``set_input_shape`` for every input, then every output's shape as TensorRT infers it (outputs are the
+    tensors of ``device`` that are no inputs).
+
+    Raises:
+        TensorRTError: TensorRT refused an input shape, or an output does not fit its buffer.
+    """
+    for name, shape in shapes.items():
+        if not trt_context.set_input_shape(name, shape):
+            lo, hi = bounds.shapes[name]
+            raise TensorRTError(
+                f"TensorRT refused set_input_shape({name!r}, {list(shape)}) "
+                f"(profile {bounds.index}: min {list(lo)}, max {list(hi)})"
+            )
+    out_shapes: dict[str, Shape] = {}
+    for name in (n for n in device if n not in bounds.shapes):
+        shape = dims(trt_context.get_tensor_shape(name))
+        need = buffer_nbytes(shape, dtypes[name]) if min(shape, default=0) >= 0 else -1
+        if need < 0 or need > device[name].nbytes:
+            raise TensorRTError(f"output {name!r} shape {list(shape)} for inputs {dict(shapes)} does not fit its buffer")
+        out_shapes[name] = shape
+    return out_shapes
+
+
+def stage(pinned: PinnedBuffer, arr: np.ndarray, nbytes: int) -> None:
+    """Put ``arr`` into an input's pinned buffer (unless it is already there: :meth:`TensorRTContext.host_buffer`)
+    and zero the padding rows up to ``nbytes`` (the size of the launch shape)."""
+    view = pinned.array
+    if arr.ctypes.data != pinned.ptr:
+        view[: arr.nbytes] = arr.reshape(-1).view(np.uint8)
+    if nbytes > arr.nbytes:
+        view[arr.nbytes : nbytes] = 0  # padding rows up to the profile's minimum batch, not stale data

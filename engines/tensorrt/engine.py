@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ class TensorRTEngine(Engine):
         device_id: CUDA device the engine and its contexts live on.
         allow_host_code: set ``Runtime.engine_host_code_allowed``, needed to deserialize version-compatible plans
             that embed the lean runtime (executable host code). Load only plans you built or trust.
+        batch_sizes: the allowed batch sizes: each context captures a CUDA graph per size (:mod:`.graphs`) and
+            runs only those; they must lie in its profile's batch range. ``None``: any size, no graphs.
 
     Raises:
         EngineError: the runtime is not installed (message names the pip package), the file cannot be read,
@@ -44,8 +47,12 @@ class TensorRTEngine(Engine):
         runtime: str = "auto",
         device_id: int = 0,
         allow_host_code: bool = True,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
         self.path = Path(path)
+        self.batch_sizes = tuple(int(b) for b in batch_sizes) if batch_sizes else None
+        if self.batch_sizes and list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise EngineError(f"batch_sizes must be increasing distinct sizes, got {list(self.batch_sizes)}")
         trt, self.runtime = load_trt(runtime)
         self._trt = trt
         self.device_id = device_id
@@ -110,6 +117,11 @@ class TensorRTEngine(Engine):
         """Size of the serialized plan in bytes (weights + kernels the engine holds)."""
         return self._plan_nbytes
 
+    @property
+    def device_nbytes(self) -> int:
+        """The plan's size: the weights and kernels the deserialized engine keeps on the device."""
+        return self._plan_nbytes
+
     def profile_shapes(self, name: str) -> list[ProfileShapes]:
         """``(min, opt, max)`` shapes of input ``name``, one triple per optimization profile.
 
@@ -156,7 +168,7 @@ class TensorRTEngine(Engine):
         self._require_engine()
         with self._lock:
             profile = pick_profile([c.profile_index for c in self._contexts], self.num_profiles)
-            ctx = TensorRTContext(self, profile)
+            ctx = TensorRTContext(self, profile, self.batch_sizes)
             self._contexts.append(ctx)
         return ctx
 

@@ -65,3 +65,33 @@ def test_multiproc_server_stops_cleanly_and_leaves_no_workers_or_segments(start_
     assert set(os.listdir("/dev/shm")) - before == set()
     log = server.log()
     assert "leaked" not in log and "Traceback" not in log and "stopped" in log
+
+
+def test_worker_context_reads_batches_stacked_into_shared_memory(tmp_path):
+    """The engine itself (no server): host_buffer is a view of the input's shared-memory segment, a batch stacked
+    there reaches the worker without another copy, and the worker's context facts cross back."""
+    from engines.multiproc import MultiprocEngine
+    from engines.onnxruntime import OnnxRuntimeEngine
+    from engines.zoo import resolve
+
+    path = resolve("zoo:tiny_cnn")
+    engine = MultiprocEngine(path, device="cpu", intra_op_threads=1, batch_sizes=[1, 2, 4])
+    ctx = engine.create_context()
+    try:
+        assert ctx.describe() == {"execution": "cpu", "precision": "fp32", "process": "worker"}
+        assert ctx.batch_sizes is None and ctx.device_nbytes == 0  # CPU runs any size, holds no device memory
+        assert ctx.host_buffer("nope", (1,), np.float32) is None
+        x = np.random.default_rng(5).standard_normal((3, 3, 224, 224)).astype(np.float32)
+        staged = ctx.host_buffer("input", x.shape, x.dtype)
+        staged[...] = x
+        segment = ctx._segments["input"]
+        assert np.shares_memory(staged, np.ndarray(x.shape, x.dtype, buffer=segment.buf))
+        got = ctx.execute({"input": staged})["logits"]
+        local = OnnxRuntimeEngine(path).create_context()
+        np.testing.assert_allclose(got, local.execute({"input": x})["logits"], rtol=1e-5, atol=1e-5)
+        bigger = np.ones((6, 3, 224, 224), np.float32)  # not staged, larger: a new segment, one copy into it
+        assert ctx.execute({"input": bigger})["logits"].shape == (6, 1000)
+        assert ctx._segments["input"].name != segment.name
+    finally:
+        ctx.release()
+        engine.release()

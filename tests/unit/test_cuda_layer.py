@@ -1,5 +1,6 @@
 """The CUDA layer (engines/cuda) on the stand-in runtime (tests/fake_cuda.py): the seam, the error type, devices,
-streams, events, graphs, pinned/device/registered/IPC memory, and ONNX Runtime's CUDA context on top of it."""
+streams, events, graphs, pinned/device/registered/IPC memory (ONNX Runtime's CUDA contexts on top of it:
+test_onnxruntime_cuda.py)."""
 
 from __future__ import annotations
 
@@ -286,60 +287,3 @@ def test_failed_capture_leaves_the_stream_usable_and_leaks_nothing(fake):
         cuda.Graph.capture(stream, swallowing_sync)  # the capture was lost all the same
     assert fake.gpu.capturing == {} and fake.gpu.graphs == {} and fake.gpu.graph_execs == {}
     stream.synchronize()  # out of capture mode
-
-
-# =========================================================================== ONNX Runtime's CUDA context
-
-
-class _Binding:
-    """The part of ``onnxruntime.IOBinding`` the CUDA context uses; "runs" by reading the bound device input."""
-
-    def __init__(self) -> None:
-        self.inputs: dict[str, tuple] = {}
-
-    def clear_binding_inputs(self) -> None:
-        self.inputs = {}
-
-    def clear_binding_outputs(self) -> None:
-        pass
-
-    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr) -> None:
-        self.inputs[name] = (device_type, device_id, np.dtype(element_type), tuple(shape), buffer_ptr)
-
-    def bind_output(self, name, device_type, device_id) -> None:
-        pass
-
-
-class _Session:
-    def __init__(self, gpu) -> None:
-        self.gpu, self.binding = gpu, _Binding()
-
-    def io_binding(self):
-        return self.binding
-
-    def run_with_iobinding(self, binding) -> None:
-        pass
-
-    def copy_outputs(self) -> list[np.ndarray]:
-        _, _, dtype, shape, ptr = self.binding.inputs["x"]
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        return [np.frombuffer(self.gpu.read(ptr, nbytes), dtype).reshape(shape) * 2]
-
-
-def test_onnxruntime_cuda_context_goes_through_the_layer(fake):
-    from engines.onnxruntime import OnnxRuntimeCudaContext
-
-    session = _Session(fake.gpu)
-    session.binding.copy_outputs_to_cpu = lambda: (stream.synchronize(), session.copy_outputs())[1]
-    stream = cuda.Stream()
-    ctx = OnnxRuntimeCudaContext(session, ["y"], 0, stream, 0)
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    np.testing.assert_array_equal(ctx.execute({"x": x})["y"], x * 2)
-    staged = ctx.host_buffer("x", (4, 3), np.float32)
-    assert staged.ctypes.data in fake.gpu.host  # pinned, grown to the larger batch
-    staged[:] = 1.0
-    np.testing.assert_array_equal(ctx.execute({"x": staged})["y"], np.full((4, 3), 2.0, np.float32))
-    assert session.binding.inputs["x"][:2] == ("cuda", 0)
-    assert fake.gpu.calls["cudaSetDevice"] == 3  # each call makes the session's device current on its thread
-    ctx.release()
-    assert fake.gpu.counts() == {"pinned": 0, "streams": 0}

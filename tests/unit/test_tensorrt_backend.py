@@ -392,6 +392,45 @@ def test_execute_async_v3_captured_into_a_cuda_graph_replays_on_new_data(load, f
     ctx.release()
 
 
+def test_allowed_sizes_each_get_a_context_and_a_graph(load, fake):
+    """batch_sizes: per size an IExecutionContext (USER_MANAGED, sharing one activation buffer), a warm-up
+    enqueue, then a captured graph; a batch replays its size's graph with one synchronize."""
+    eng = load(batch_sizes=[1, 4, 16])
+    before = dict(fake.gpu.counts())
+    ctx = eng.create_context()
+    assert ctx.batch_sizes == (1, 4, 16)
+    assert ctx.describe() == {"execution": "tensorrt_graphs", "batch_sizes": [1, 4, 16], "profile": 0,
+                              "device_id": 0}
+    assert fake.gpu.executions == [{"x": (16, 3, 4, 4)}, {"x": (4, 3, 4, 4)}, {"x": (1, 3, 4, 4)}]  # warm-ups only
+    grown = {k: v - before.get(k, 0) for k, v in fake.gpu.counts().items() if v != before.get(k, 0)}
+    assert grown == {"cudaMalloc": 3, "pinned": 2, "streams": 1, "graph_execs": 3}  # activation + x + y, no STATIC
+    x_bytes, y_bytes = 16 * 3 * 4 * 4 * 4, 16 * 5 * 4
+    assert ctx.device_nbytes == ctx.nbytes == 100_000 + x_bytes + y_bytes
+    for rows in (4, 16, 1, 4):
+        x = rand(rows, 3, 4, 4, seed=rows)
+        syncs = fake.gpu.calls["cudaStreamSynchronize"]
+        np.testing.assert_allclose(ctx.execute({"x": x})["y"], expected(x), rtol=1e-6)
+        assert fake.gpu.calls["cudaStreamSynchronize"] - syncs == 1
+        assert fake.gpu.executions[-1] == {"x": (rows, 3, 4, 4)}  # the graph of that size replayed
+    with pytest.raises(EngineError, match=r"batch of 3 rows: this context runs only the batch sizes \[1, 4, 16\]"):
+        ctx.execute({"x": rand(3, 3, 4, 4)})
+    ctx.release()
+    assert fake.gpu.counts() == before
+    eng.release()
+
+
+def test_allowed_sizes_outside_the_profile_or_with_dynamic_dims(load, fake, caplog):
+    with pytest.raises(TensorRTError, match=r"allowed batch sizes \[32\] are outside optimization profile 0"):
+        load(batch_sizes=[1, 32]).create_context()
+    eng = load(image_spec(profiles=(((1, 3, 2, 4), (8, 3, 4, 4), (16, 3, 8, 4)),)), batch_sizes=[1, 8])
+    ctx = eng.create_context()  # H is dynamic in the profile: no graphs, any size runs, and it says why
+    assert ctx.batch_sizes is None and "dynamic non-batch dims" in ctx.describe()["fallback_reason"]
+    assert "no CUDA graphs" in caplog.text
+    x = rand(3, 3, 8, 4)
+    np.testing.assert_allclose(ctx.execute({"x": x})["y"], expected(x), rtol=1e-6)
+    eng.release()
+
+
 def test_failed_context_creation_frees_what_it_took(load, fake):
     eng = load()
     before = dict(fake.gpu.counts())

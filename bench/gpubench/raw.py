@@ -1,0 +1,101 @@
+"""Part (a): the raw engine. One context per model and precision (a CUDA graph per allowed size), rows/s at every
+allowed size and over the mixed-size workload; each batch is copied once from numpy into the context's pinned
+staging buffer first, as the service must do. At batch 32, each precision's max abs and relative error against
+ONNX Runtime fp32 on CPU, and the TF32/fp32 and fp16/TF32 throughput ratios."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import SIZES, errors, finish, images, line_plot, mixed_sizes, on_thread, say, timed_loop
+
+
+def cpu_reference(path: Path, x: np.ndarray) -> np.ndarray:
+    """fp32 outputs of ONNX Runtime on CPU (every core) for ``x``."""
+    from engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = OnnxRuntimeEngine(path, device="cpu", intra_op_threads=0)
+    ctx = engine.create_context()
+    try:
+        return ctx.execute({"input": x})["logits"].astype(np.float64)
+    finally:
+        ctx.release()
+        engine.release()
+
+
+def measure_context(ctx, x: np.ndarray, seconds: float, sizes=SIZES) -> list[dict]:
+    """rows/s of ``ctx`` at each size and mixed; the loop runs on the context's own thread."""
+    top = max(sizes)
+    staging = ctx.host_buffer("input", (top, *x.shape[1:]), x.dtype)
+    rows = []
+
+    def run(n: int) -> int:
+        view = staging[:n] if staging is not None else np.empty((n, *x.shape[1:]), x.dtype)
+        np.copyto(view, x[:n])  # the one copy into pinned memory that the service makes too
+        ctx.execute({"input": view})
+        return n
+
+    for b in sizes:
+        rps, ms, _ = on_thread(ctx, lambda b=b: timed_loop(lambda k: run(b), seconds))
+        rows.append({"batch": b, "ms_per_batch": round(ms, 3), "rows_per_s": round(rps, 1)})
+    plan = mixed_sizes(4096)
+    rps, ms, _ = on_thread(ctx, lambda: timed_loop(lambda k: run(plan[k % len(plan)]), seconds))
+    rows.append({"batch": "mixed", "ms_per_batch": round(ms, 3), "rows_per_s": round(rps, 1)})
+    return rows
+
+
+def part_a(models: list[str], precisions: list[str], device: str, seconds: float, out: Path) -> list[dict]:
+    from engines.onnxruntime import OnnxRuntimeEngine
+    from engines.zoo import resolve
+
+    rows: list[dict] = []
+    summary: list[dict] = []
+    x = images(max(SIZES))
+    for model in models:
+        path = resolve(f"zoo:{model}")
+        want = cpu_reference(path, x)
+        per: dict[str, dict] = {}
+        for precision in precisions:
+            t0 = time.perf_counter()
+            engine = OnnxRuntimeEngine(path, device=device, batch_sizes=SIZES, precision=precision)
+            ctx = engine.create_context()
+            load_s = time.perf_counter() - t0
+            try:
+                facts = ctx.describe()
+                err = errors(on_thread(ctx, lambda: ctx.execute({"input": x})["logits"]), want)
+                measured = measure_context(ctx, x, seconds)
+            finally:
+                ctx.release()
+                engine.release()
+            for r in measured:
+                rows.append({"model": model, "precision": precision, "execution": facts.get("execution"), **r})
+            at32 = next(r["rows_per_s"] for r in measured if r["batch"] == max(SIZES))
+            per[precision] = {"rows_per_s": at32, "max_abs_err": err[0], "rel_err": err[1]}
+            say(f"  (a) {model} {precision}: {facts.get('execution')}, load {load_s:.1f} s, batch 32 {at32:,.0f} rows/s, "
+                f"mixed {measured[-1]['rows_per_s']:,.0f} rows/s, error vs CPU fp32 {err[0]:.3g} abs / {err[1]:.3g} rel")
+        entry: dict = {"model": model}
+        for p, v in per.items():
+            entry.update({f"{p}_rows_per_s": v["rows_per_s"], f"{p}_max_abs_err": round(v["max_abs_err"], 6),
+                          f"{p}_rel_err": round(v["rel_err"], 6)})
+        if "tf32" in per and "fp32" in per:
+            entry["tf32_over_fp32"] = round(per["tf32"]["rows_per_s"] / per["fp32"]["rows_per_s"], 2)
+        if "fp16" in per and "tf32" in per:
+            entry["fp16_over_tf32"] = round(per["fp16"]["rows_per_s"] / per["tf32"]["rows_per_s"], 2)
+        summary.append(entry)
+
+    def plot(png: Path) -> None:
+        series = {f"{m} {p}": ([r["batch"] for r in rows if r["model"] == m and r["precision"] == p
+                                and r["batch"] != "mixed"],
+                               [r["rows_per_s"] for r in rows if r["model"] == m and r["precision"] == p
+                                and r["batch"] != "mixed"])
+                  for m in models for p in precisions}
+        line_plot(png, "(a) raw engine, one context, CUDA graph per size", "batch size", "rows/s", series, logx=True)
+
+    finish(out, "gpu_a_raw", "(a) raw engine: rows/s per batch size and mixed (1 context, numpy -> pinned once)",
+           rows, plot)
+    finish(out, "gpu_a_precision", "(a) precision at batch 32: throughput ratios and errors against fp32 on CPU",
+           summary)
+    return rows

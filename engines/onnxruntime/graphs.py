@@ -1,0 +1,232 @@
+"""ONNX Runtime CUDA contexts with one CUDA graph per allowed batch size.
+
+One session per context (``enable_cuda_graph: 1``), one ``gpu_graph_id`` per allowed size, all captured while the
+context is created. Fixed buffers: per input a pinned staging buffer and a device buffer, per output a device
+buffer and a pinned buffer, each sized for the largest allowed batch and bound once per size with IOBinding
+(a graph replays the addresses it was captured with). One batch of ``n`` rows (``n`` one of the allowed sizes):
+H2D of ``n`` rows on the context's stream (straight from page-locked memory, else after one copy into the pinned
+buffer) -> replay of graph ``n`` on the same stream -> D2H of the outputs into pinned memory -> ONE
+``cudaStreamSynchronize`` -> owned copies of the outputs. Nothing is allocated per batch (the IOBindings and run
+options of every size are made once), and ``OrtValue.update_inplace`` is never used (it synchronizes the legacy
+default stream).
+
+Why a thread per context. What ONNX Runtime's source says (``core/providers/cuda/cuda_execution_provider.h`` and
+``cuda_graph.cc``; checked against 1.18+ with per-id run counts, PR #19856):
+
+* the captured graphs live in the provider's ``PerThreadContext`` (``cuda_graph_`` "is put under
+  PerThreadContext"; ``Replay`` "CUDA EP maintains a separate cuda graph per thread");
+* a ``gpu_graph_id`` is captured on that thread's first ``run`` with the id: ONNX Runtime runs it
+  ``min_num_runs_before_cuda_graph_capture_`` (2) times normally, then captures, then replays - recursively,
+  within the one call;
+* capture is ``cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal)`` after a ``cudaStreamSynchronize``.
+
+So a graph captured on the loader's thread is not found on the executor's thread: its first batch of each size
+captures again, in Global mode, while other contexts of the process are synchronizing their streams - the H200
+probe's "operation not permitted when stream is capturing" with 2-4 contexts on threads. Here each context owns
+one thread (:attr:`executor`) that creates the session, captures every size and runs every batch, so no capture
+ever happens after creation; and each capture holds :data:`engines.cuda.CAPTURE_GATE` exclusively, so a context
+created while others serve (another model's load, an lru reload) cannot collide with their batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..base import EngineError
+from ..cuda import CAPTURE_GATE, Stream, set_device
+from . import cuda as _cuda
+from .cuda import CudaContext, CudaPlan, IOBuffers, check_rows, measured
+from .options import run_options
+
+log = logging.getLogger("engines.onnxruntime")
+
+T = TypeVar("T")
+
+
+class DeviceThread:
+    """One thread that runs everything of one context: :meth:`call` runs a function there and returns its result
+    (directly when already on it)."""
+
+    def __init__(self, name: str) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.ident = self.pool.submit(threading.get_ident).result()
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        if threading.get_ident() == self.ident:
+            return fn(*args)
+        return self.pool.submit(fn, *args).result()
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=threading.get_ident() != self.ident)
+
+
+class CudaGraphContext(CudaContext):
+    """A CUDA session with a CUDA graph per allowed batch size (see the module docstring).
+
+    Args:
+        plan: the session's model, device and options; every input and output must have static non-batch dims.
+        batch_sizes: the allowed sizes, increasing; each gets its graph.
+
+    Raises (constructor):
+        EngineError: the session cannot be created with graphs (a node outside the CUDA provider, control flow), a
+            capture failed (a kernel that synchronizes), or dims are dynamic; everything made so far is freed.
+    """
+
+    execution = "cuda_graphs"
+
+    def __init__(self, plan: CudaPlan, batch_sizes: tuple[int, ...]) -> None:
+        if plan.static_shapes(1) is None:
+            raise EngineError("CUDA graphs need static non-batch dims on every input and output: "
+                              + ", ".join(f"{s.name} {list(s.shape)}" for s in plan.inputs + plan.outputs))
+        self._plan = plan
+        self._sizes = tuple(batch_sizes)
+        self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
+        self._output_names = [o.name for o in plan.outputs]
+        self._buffers = IOBuffers()
+        self._stream: Stream | None = None
+        self._session: Any = None
+        self._bindings: dict[int, Any] = {}
+        self._run_options: dict[int, Any] = {}
+        self._device_nbytes = 0
+        self._thread = DeviceThread(f"cuda-graphs-{plan.path.stem}")
+        try:
+            _, self._device_nbytes = self._thread.call(measured, plan.device_id, self._build)
+        except BaseException:
+            self.release()
+            raise
+
+    # ---- creation, on the context's thread
+
+    def _build(self) -> None:
+        plan = self._plan
+        set_device(plan.device_id)
+        with CAPTURE_GATE.shared():
+            self._stream = Stream()
+            for name, shape in (plan.static_shapes(self._sizes[-1]) or {}).items():
+                self._buffers.ensure(name, int(np.prod(shape)) * self._dtypes[name].itemsize)
+            self._session = plan.session(self._stream, graphs=True)
+            for size in self._sizes:
+                self._bindings[size] = self._bind(size)
+                self._run_options[size] = run_options(graph_id=size)
+        for size in self._sizes:
+            zeros = {s.name: np.zeros((size, *s.shape[1:]), self._dtypes[s.name]) for s in plan.inputs}
+            with CAPTURE_GATE.exclusive():  # ONNX Runtime captures in Global mode: nothing else may touch CUDA
+                try:
+                    self._run(size, zeros)
+                except EngineError as exc:
+                    raise EngineError(f"CUDA graph capture at batch {size} failed: {exc}") from exc
+        log.info("%s: CUDA graphs captured for batch sizes %s (%s, device %d)", plan.path.name, list(self._sizes),
+                 plan.precision, plan.device_id)
+
+    def _bind(self, size: int) -> Any:
+        """An IOBinding of every input and output to its device buffer at ``size`` rows (made once per size)."""
+        binding = self._session.io_binding()
+        for spec in self._plan.inputs:
+            binding.bind_input(spec.name, _cuda.ORT_DEVICE, self._plan.device_id, self._dtypes[spec.name],
+                               [size, *spec.shape[1:]], self._buffers.device[spec.name].ptr)
+        for spec in self._plan.outputs:
+            binding.bind_output(spec.name, _cuda.ORT_DEVICE, self._plan.device_id, self._dtypes[spec.name],
+                                [size, *spec.shape[1:]], self._buffers.device[spec.name].ptr)
+        return binding
+
+    # ---- one batch
+
+    def _run(self, n: int, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """H2D, replay (or, the first time, capture) graph ``n``, D2H, one synchronize; on the context's thread."""
+        stream = self._stream
+        assert stream is not None
+        try:
+            for name, arr in inputs.items():
+                self._buffers.upload(name, arr, stream)
+            self._launch(n)
+            shapes = {spec.name: (n, *spec.shape[1:]) for spec in self._plan.outputs}
+            for name, shape in shapes.items():
+                self._buffers.download(name, int(np.prod(shape)) * self._dtypes[name].itemsize, stream)
+            stream.synchronize()
+        except EngineError:
+            raise
+        except Exception as exc:  # onnxruntime's own exception types
+            raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc
+        return {name: self._buffers.result(name, shape, self._dtypes[name]) for name, shape in shapes.items()}
+
+    def _launch(self, n: int) -> None:
+        """Queue graph ``n`` on the context's stream (ONNX Runtime replays it on ``user_compute_stream``)."""
+        self._session.run_with_iobinding(self._bindings[n], self._run_options[n])
+
+    def _execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._session is None:
+            raise EngineError("execution context was released")
+        names = {s.name for s in self._plan.inputs}
+        if set(inputs) != names:
+            raise EngineError(f"inputs must be exactly {sorted(names)}, got {sorted(inputs)}")
+        n = check_rows(inputs, self._sizes)
+        for spec in self._plan.inputs:
+            arr = inputs[spec.name]
+            if arr.dtype != self._dtypes[spec.name] or arr.shape[1:] != tuple(spec.shape[1:]):
+                raise EngineError(f"input {spec.name!r}: {arr.dtype} {list(arr.shape)} given, the graphs take "
+                                  f"{self._dtypes[spec.name]} {[n, *spec.shape[1:]]}")
+        with CAPTURE_GATE.shared():
+            return self._run(n, inputs)
+
+    # ---- contract
+
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch on the context's thread (see the module docstring).
+
+        Args:
+            inputs: every input by name, ``n`` rows (``n`` one of :attr:`batch_sizes`), the engine's dtypes and
+                non-batch dims.
+
+        Returns:
+            every output by name, ``n`` rows, arrays the caller owns.
+
+        Raises:
+            EngineError: released, wrong inputs/rows/dtype/dims, or a CUDA/ONNX Runtime failure (the context stays
+                usable).
+        """
+        thread = self._thread
+        if thread is None:
+            raise EngineError("execution context was released")
+        return thread.call(self._execute, inputs)
+
+    @property
+    def executor(self) -> Executor | None:
+        return self._thread.pool if self._thread is not None else None
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A view of input ``name``'s pinned staging buffer (fixed, sized for the largest allowed batch), or ``None``
+        when ``name`` is no input, the dtype differs or the shape does not fit."""
+        pinned = self._buffers.pinned.get(name)
+        if pinned is None or name in self._output_names or np.dtype(dtype) != self._dtypes[name]:
+            return None
+        if int(np.prod(shape)) * np.dtype(dtype).itemsize > pinned.nbytes:
+            return None
+        return pinned.view(shape, dtype)
+
+    def release(self) -> None:
+        """Free the session (and its graphs), the buffers and the stream on the context's thread, then stop the
+        thread. Idempotent."""
+        thread, self._thread = getattr(self, "_thread", None), None  # type: ignore[assignment]
+        if thread is None:
+            return
+        try:
+            thread.call(self._free)
+        finally:
+            thread.stop()
+
+    def _free(self) -> None:
+        set_device(self._plan.device_id)
+        with CAPTURE_GATE.shared():
+            self._bindings.clear()
+            self._run_options.clear()
+            self._session = None
+            self._buffers.free()
+            if self._stream is not None:
+                self._stream.destroy()
+                self._stream = None

@@ -1,0 +1,173 @@
+"""GPU tests: the CUDA code paths on a real device (skipped without onnxruntime-gpu and a CUDA device).
+
+Not part of CI (pytest's testpaths are tests/unit and tests/integration). On the GPU machine:
+``python -m bench.gpu_bench --parts t`` runs them and keeps their output in ``bench/results/gpu/gpu_tests.txt``
+(or ``python -m pytest tests/gpu -v``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    pytest.skip("needs onnxruntime-gpu (CUDAExecutionProvider)", allow_module_level=True)
+cuda = pytest.importorskip("engines.cuda")
+try:
+    cuda.require_device(0)
+except cuda.CudaError as exc:
+    pytest.skip(f"no usable CUDA device: {exc}", allow_module_level=True)
+
+from engines.base import EngineError  # noqa: E402
+from engines.multiproc import MultiprocEngine  # noqa: E402
+from engines.onnxruntime import CudaGraphContext, CudaSessionsContext, OnnxRuntimeEngine  # noqa: E402
+from engines.zoo import resolve  # noqa: E402
+
+SIZES = (1, 2, 4, 8)
+TF32 = 2e-2  # max |gpu - cpu| / max |cpu|
+
+
+def images(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 3, 224, 224)).astype(np.float32)
+
+
+def relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+
+
+@pytest.fixture(scope="module")
+def cpu_reference():
+    cache: dict[str, np.ndarray] = {}
+
+    def ref(model: str) -> np.ndarray:
+        if model not in cache:
+            eng = OnnxRuntimeEngine(resolve(f"zoo:{model}"), device="cpu", intra_op_threads=0)
+            ctx = eng.create_context()
+            cache[model] = ctx.execute({"input": images(8)})["logits"].astype(np.float64)
+            ctx.release()
+            eng.release()
+        return cache[model]
+
+    return ref
+
+
+@pytest.mark.parametrize("model", ["tiny_cnn", "mid_cnn", "resnet18"])
+def test_graph_context_matches_cpu_at_every_size_and_padded(model, cpu_reference):
+    want = cpu_reference(model)
+    eng = OnnxRuntimeEngine(resolve(f"zoo:{model}"), device="cuda", batch_sizes=SIZES, gpu_execution="graphs")
+    ctx = eng.create_context()
+    try:
+        assert isinstance(ctx, CudaGraphContext) and ctx.describe()["execution"] == "cuda_graphs"
+        assert ctx.device_nbytes > 0
+        x = images(8)
+        for n in SIZES:
+            assert relative(ctx.execute({"input": x[:n]})["logits"], want[:n]) < TF32
+        padded = np.zeros((4, 3, 224, 224), np.float32)
+        padded[:3] = x[:3]
+        assert relative(ctx.execute({"input": padded})["logits"][:3], want[:3]) < TF32
+        staged = ctx.host_buffer("input", (2, 3, 224, 224), np.float32)
+        staged[...] = x[:2]
+        assert relative(ctx.execute({"input": staged})["logits"], want[:2]) < TF32
+        with pytest.raises(EngineError, match="batch sizes"):
+            ctx.execute({"input": x[:3]})
+    finally:
+        ctx.release()
+        eng.release()
+
+
+def test_fp32_graphs_match_the_cpu_closely(cpu_reference):
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=[8], precision="fp32")
+    ctx = eng.create_context()
+    try:
+        assert relative(ctx.execute({"input": images(8)})["logits"], cpu_reference("resnet18")) < 1e-4
+    finally:
+        ctx.release()
+        eng.release()
+
+
+def test_sessions_per_size_match_the_cpu(cpu_reference):
+    eng = OnnxRuntimeEngine(resolve("zoo:mid_cnn"), device="cuda", batch_sizes=[2, 8], gpu_execution="sessions")
+    ctx = eng.create_context()
+    try:
+        assert isinstance(ctx, CudaSessionsContext)
+        assert relative(ctx.execute({"input": images(8)[:2]})["logits"], cpu_reference("mid_cnn")[:2]) < TF32
+    finally:
+        ctx.release()
+        eng.release()
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_graph_contexts_on_threads_run_together_while_another_model_captures(count, cpu_reference):
+    """The H200 probe's failure: graph contexts as threads of one process, one loading (capturing) while the
+    others serve. Every batch must succeed and be right."""
+    want = cpu_reference("resnet18")
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=SIZES)
+    contexts = [eng.create_context() for _ in range(count)]
+    x = images(8)
+    errors: list[BaseException] = []
+    done = [0] * count
+    stop = threading.Event()
+
+    def serve(i: int) -> None:
+        try:
+            k = 0
+            while not stop.is_set():
+                n = SIZES[k % len(SIZES)]
+                assert relative(contexts[i].execute({"input": x[:n]})["logits"], want[:n]) < TF32
+                done[i] += 1
+                k += 1
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        other = OnnxRuntimeEngine(resolve("zoo:mid_cnn"), device="cuda", batch_sizes=SIZES)
+        loaded = other.create_context()  # captures 4 graphs while the threads above execute
+        assert loaded.describe()["execution"] == "cuda_graphs"
+        loaded.release()
+        other.release()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for c in contexts:
+            c.release()
+        eng.release()
+    assert errors == []
+    assert all(d > 0 for d in done)
+
+
+def test_graph_contexts_in_worker_processes_read_registered_shared_memory(cpu_reference):
+    want = cpu_reference("resnet18")
+    eng = MultiprocEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=SIZES)
+    ctx = eng.create_context()
+    try:
+        assert ctx.describe()["execution"] == "cuda_graphs" and ctx.describe()["process"] == "worker"
+        assert ctx.batch_sizes == SIZES and ctx.device_nbytes > 0
+        staged = ctx.host_buffer("input", (8, 3, 224, 224), np.float32)
+        staged[...] = images(8)
+        assert relative(ctx.execute({"input": staged})["logits"], want) < TF32
+        assert relative(ctx.execute({"input": images(8)[:4]})["logits"], want[:4]) < TF32
+    finally:
+        ctx.release()
+        eng.release()
+
+
+def test_device_memory_is_returned_on_release():
+    free0, _ = cuda.mem_get_info(0)
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=(1, 2, 4, 8, 16, 32))
+    ctx = eng.create_context()
+    held = ctx.device_nbytes
+    free1, _ = cuda.mem_get_info(0)
+    ctx.release()
+    eng.release()
+    free2, _ = cuda.mem_get_info(0)
+    assert held > 0 and free0 - free1 >= held * 0.9
+    assert free2 - free1 >= held * 0.5  # most of it comes back (ONNX Runtime keeps some process-wide state)

@@ -1,0 +1,412 @@
+"""ONNX Runtime's CUDA contexts (engines/onnxruntime) on ONNX Runtime's CPU build over the stand-in CUDA runtime.
+
+What stands in for the GPU: tests/fake_cuda.py (checked against cuda.bindings by test_cuda_api.py), whose "device"
+memory is real host memory, so a real CPU ``InferenceSession`` bound with IOBinding (device ``"cpu"``) reads and
+writes the context's device buffers by address. Copies queue on the fake stream and run at its synchronize; a
+session run first runs what is queued on the streams (ONNX Runtime's kernels come after the H2D on the same
+stream), so a context that reads outputs before synchronizing, copies in the wrong order, or skips a copy gets
+wrong numbers here as on a GPU. ``gpu_graph_id`` means nothing to the CPU provider: what is checked is the
+context's side - fixed buffers and bindings per size, one synchronize per batch, the thread that owns the graphs,
+the capture gate - not ONNX Runtime's capture itself (tests/gpu/ does that on the device).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import engines.cuda as cuda
+from engines.base import EngineError
+from engines.cuda import CAPTURE_GATE, CaptureGate
+from engines.onnxruntime import CudaGraphContext, CudaSessionsContext, OnnxRuntimeEngine, cuda as ort_cuda
+from engines.onnxruntime.options import cuda_provider, fp16_path, resolve_precision
+from fake_cuda import FakeCuda
+
+W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+B = np.array([1.0, -2.0, 0.5], np.float32)
+
+
+def _affine(path, dynamic: bool = False) -> str:
+    """y = x @ W + b, x float32 [N, 4] (``dynamic``: [N, D], y = relu(x))."""
+    if dynamic:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "D"])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "D"])
+        graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y])
+    else:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])
+        nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])]
+        inits = [helper.make_tensor("W", TensorProto.FLOAT, [4, 3], W.ravel()),
+                 helper.make_tensor("b", TensorProto.FLOAT, [3], B)]
+        graph = helper.make_graph(nodes, "affine", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return str(path)
+
+
+class Device:
+    """The fake GPU plus a record of every session run: the thread it ran on, and whether the capture gate was held
+    exclusively (a capture) or shared at that moment."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self.fake, self.gpu = fake, fake.gpu
+        self.runs: list[tuple[int, bool, int]] = []  # (thread, exclusive, readers)
+
+    def drain(self) -> None:
+        """Run what the streams queued (the H2D copies a kernel on the same stream would wait for)."""
+        for sid in list(self.gpu.streams):
+            ops, self.gpu.streams[sid] = self.gpu.streams[sid], []
+            for op in ops:
+                op()
+
+    def syncs(self) -> int:
+        return self.gpu.calls["cudaStreamSynchronize"]
+
+
+@pytest.fixture
+def device(monkeypatch):
+    fake = FakeCuda()
+    dev = Device(fake)
+    real_run = ort.InferenceSession.run_with_iobinding
+
+    def run(session, binding, run_options=None):
+        dev.runs.append((threading.get_ident(), CAPTURE_GATE._writer, CAPTURE_GATE._readers))
+        dev.drain()
+        return real_run(session, binding, run_options)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
+    monkeypatch.setattr(ort_cuda, "ORT_DEVICE", "cpu")
+    monkeypatch.setattr(ort_cuda.CudaPlan, "providers", lambda self, stream, graphs: ["CPUExecutionProvider"])
+    monkeypatch.setattr(OnnxRuntimeEngine, "_require_cuda_provider", staticmethod(lambda: None))
+    with cuda.use_runtime(fake.cudart):
+        yield dev
+
+
+def _engine(tmp_path, sizes=(1, 2, 4, 8), dynamic=False, **kw) -> OnnxRuntimeEngine:
+    return OnnxRuntimeEngine(_affine(tmp_path / "m.onnx", dynamic), device="cuda", batch_sizes=sizes,
+                             cache=tmp_path / "cache", **kw)
+
+
+def _want(x: np.ndarray) -> np.ndarray:
+    return x @ W + B
+
+
+# --------------------------------------------------------------------------- graph contexts
+
+
+def test_graph_context_runs_every_allowed_size_exactly(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    assert isinstance(ctx, CudaGraphContext)
+    assert ctx.batch_sizes == (1, 2, 4, 8)
+    assert ctx.describe() == {"execution": "cuda_graphs", "precision": "tf32", "batch_sizes": [1, 2, 4, 8],
+                              "device_id": 0}
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 4, 8, 4, 1):
+        x = rng.standard_normal((n, 4)).astype(np.float32)
+        before = device.syncs()
+        y = ctx.execute({"x": x})["y"]
+        assert device.syncs() - before == 1  # ONE synchronize per batch
+        np.testing.assert_allclose(y, _want(x), rtol=1e-6, atol=1e-6)
+    ctx.release()
+    eng.release()
+
+
+def test_outputs_are_owned_not_views_of_the_next_batch(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    first = ctx.execute({"x": np.ones((2, 4), np.float32)})["y"]
+    kept = first.copy()
+    ctx.execute({"x": np.full((2, 4), 5.0, np.float32)})
+    np.testing.assert_array_equal(first, kept)
+    assert first.flags.owndata
+    ctx.release()
+
+
+def test_staging_buffer_is_read_in_place(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    staged = ctx.host_buffer("x", (4, 4), np.float32)
+    assert staged.ctypes.data in device.gpu.host  # the pinned buffer itself, sized for the largest size
+    assert ctx.host_buffer("x", (16, 4), np.float32) is None  # beyond the largest allowed size
+    assert ctx.host_buffer("x", (4, 4), np.float64) is None
+    staged[:] = np.arange(16, dtype=np.float32).reshape(4, 4)
+    srcs = []
+    real = device.fake.cudart.cudaMemcpyAsync
+
+    def spy(dst, src, count, kind, stream):
+        srcs.append((int(src), int(kind)))
+        return real(dst, src, count, kind, stream)
+
+    device.fake.cudart.cudaMemcpyAsync = spy
+    y = ctx.execute({"x": staged})["y"]
+    np.testing.assert_allclose(y, _want(np.arange(16, dtype=np.float32).reshape(4, 4)), rtol=1e-6)
+    h2d = [src for src, kind in srcs if kind == 1]
+    assert h2d == [staged.ctypes.data]  # straight from the staging buffer, no further host copy
+    ctx.release()
+
+
+def test_registered_memory_is_sent_without_a_staging_copy(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    host = np.zeros((2, 4), np.float32)
+    host[:] = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    reg = cuda.HostRegistration(host.ctypes.data, host.nbytes)
+    assert cuda.page_locked(host.ctypes.data, host.nbytes) and not cuda.page_locked(host.ctypes.data, host.nbytes + 1)
+    staged = ctx.host_buffer("x", (2, 4), np.float32)
+    staged[:] = -1.0
+    y = ctx.execute({"x": host})["y"]
+    np.testing.assert_allclose(y, _want(host), rtol=1e-6)
+    np.testing.assert_array_equal(staged, -1.0)  # the staging buffer was not used
+    reg.unregister()
+    assert not cuda.page_locked(host.ctypes.data, host.nbytes)
+    ctx.release()
+
+
+def test_only_allowed_sizes_and_the_models_dims_run(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    with pytest.raises(EngineError, match=r"batch of 3 rows: this context runs only the batch sizes \[1, 2, 4, 8\]"):
+        ctx.execute({"x": np.zeros((3, 4), np.float32)})
+    with pytest.raises(EngineError, match="float64"):
+        ctx.execute({"x": np.zeros((2, 4), np.float64)})
+    with pytest.raises(EngineError, match="inputs must be exactly"):
+        ctx.execute({"z": np.zeros((2, 4), np.float32)})
+    np.testing.assert_allclose(ctx.execute({"x": np.ones((1, 4), np.float32)})["y"], _want(np.ones((1, 4))),
+                               rtol=1e-6)  # still usable
+    ctx.release()
+
+
+def test_every_run_is_on_the_contexts_own_thread(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    owner = {t for t, _, _ in device.runs}
+    assert len(owner) == 1 and threading.get_ident() not in owner  # creation and captures: the context's thread
+    results = {}
+
+    def worker(i):
+        results[i] = ctx.execute({"x": np.full((2, 4), float(i), np.float32)})["y"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {t for t, _, _ in device.runs} == owner  # batches from other threads were handed to it
+    for i in range(3):
+        np.testing.assert_allclose(results[i], _want(np.full((2, 4), float(i))), rtol=1e-6)
+    assert ctx.executor.submit(threading.get_ident).result() in owner
+    ctx.release()
+
+
+def test_captures_hold_the_gate_alone_and_batches_share_it(device, tmp_path):
+    eng = _engine(tmp_path)
+    captures = CAPTURE_GATE.captures
+    first = eng.create_context()
+    assert CAPTURE_GATE.captures - captures == 4  # one exclusive section per allowed size
+    stop = threading.Event()
+
+    def serve():  # the first context keeps executing while the second is created
+        while not stop.is_set():
+            first.execute({"x": np.ones((8, 4), np.float32)})
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        second = eng.create_context()
+    finally:
+        stop.set()
+        server.join()
+    creating = [(excl, readers) for t, excl, readers in device.runs if excl]
+    assert len(creating) == 8  # both contexts' captures
+    assert all(readers == 0 for _, readers in creating)  # nobody else inside the gate during a capture
+    assert all(readers >= 1 for _, excl, readers in device.runs if not excl)  # batches hold it shared
+    second.release()
+    first.release()
+
+
+def test_device_memory_is_measured_and_everything_is_freed(device, tmp_path):
+    eng = _engine(tmp_path)
+    before = dict(device.gpu.counts())
+    ctx = eng.create_context()
+    # the fake's device memory is the context's buffers (the CPU session uses none): x and y at the largest size
+    assert ctx.device_nbytes == ctx.nbytes == 8 * 4 * 4 + 8 * 3 * 4
+    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 2, "streams": before["streams"] + 1}
+    ctx.release()
+    ctx.release()  # idempotent
+    assert device.gpu.counts() == before
+    assert ctx.executor is None
+    with pytest.raises(EngineError, match="released"):
+        ctx.execute({"x": np.ones((1, 4), np.float32)})
+
+
+# --------------------------------------------------------------------------- sessions and fallback
+
+
+def test_auto_falls_back_to_a_session_per_size_and_says_why(device, tmp_path, caplog):
+    eng = _engine(tmp_path, sizes=(1, 4), dynamic=True)
+    ctx = eng.create_context()
+    assert isinstance(ctx, CudaSessionsContext)
+    facts = ctx.describe()
+    assert facts["execution"] == "cuda_sessions" and facts["batch_sizes"] == [1, 4]
+    assert "CUDA graphs need static non-batch dims" in facts["fallback_reason"]
+    assert "no CUDA graphs" in caplog.text
+    x = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0], [0, 1, 0], [1, 1, -1]], np.float32)
+    np.testing.assert_array_equal(ctx.execute({"x": x})["y"], np.maximum(x, 0))
+    with pytest.raises(EngineError, match="batch sizes"):
+        ctx.execute({"x": x[:2]})
+    ctx.release()
+    assert isinstance(eng.create_context(), CudaSessionsContext)  # decided once per engine
+
+
+def test_graphs_mode_refuses_what_cannot_be_captured(device, tmp_path):
+    eng = _engine(tmp_path, sizes=(1, 4), dynamic=True, gpu_execution="graphs")
+    with pytest.raises(EngineError, match="static non-batch dims"):
+        eng.create_context()
+
+
+def test_sessions_mode_and_any_size_without_allowed_sizes(device, tmp_path):
+    ctx = _engine(tmp_path, gpu_execution="sessions").create_context()
+    assert isinstance(ctx, CudaSessionsContext) and ctx.batch_sizes == (1, 2, 4, 8)
+    assert "fallback_reason" not in ctx.describe()
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_allclose(ctx.execute({"x": x})["y"], _want(x), rtol=1e-6)
+    ctx.release()
+    anysize = _engine(tmp_path, sizes=None).create_context()
+    assert anysize.batch_sizes is None
+    x = np.ones((3, 4), np.float32)
+    np.testing.assert_allclose(anysize.execute({"x": x})["y"], _want(x), rtol=1e-6)
+    anysize.release()
+    assert device.gpu.counts() == {"pinned": 0, "streams": 0}
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_precision_defaults_and_errors():
+    assert resolve_precision(None, "cuda") == "tf32" and resolve_precision(None, "cpu") == "fp32"
+    assert resolve_precision("fp16", "cuda") == "fp16"
+    with pytest.raises(EngineError, match="needs a GPU"):
+        resolve_precision("tf32", "cpu")
+    with pytest.raises(EngineError, match="precision must be one of fp32, tf32, fp16"):
+        resolve_precision("int8", "cuda")
+
+
+def test_cuda_provider_options():
+    name, opts = cuda_provider(1, 1234, "fp32", graphs=True, gpu_mem_limit=2 << 30,
+                               arena_extend_strategy="kSameAsRequested")
+    assert name == "CUDAExecutionProvider"
+    assert opts == {"device_id": "1", "user_compute_stream": "1234", "do_copy_in_default_stream": "0",
+                    "use_tf32": "0", "cudnn_conv_algo_search": "EXHAUSTIVE", "enable_cuda_graph": "1",
+                    "gpu_mem_limit": str(2 << 30), "arena_extend_strategy": "kSameAsRequested"}
+    assert cuda_provider(0, 1, "tf32", graphs=False)[1]["use_tf32"] == "1"
+    assert cuda_provider(0, 1, "fp16", graphs=False)[1]["enable_cuda_graph"] == "0"
+
+
+def test_invalid_engine_options(tmp_path):
+    path = _affine(tmp_path / "m.onnx")
+    with pytest.raises(EngineError, match="arena_extend_strategy must be one of"):
+        OnnxRuntimeEngine(path, arena_extend_strategy="kDouble")
+    with pytest.raises(EngineError, match="gpu_execution must be one of graphs, sessions, auto"):
+        OnnxRuntimeEngine(path, gpu_execution="eager")
+    with pytest.raises(EngineError, match="increasing distinct positive"):
+        OnnxRuntimeEngine(path, batch_sizes=[4, 2])
+    with pytest.raises(EngineError, match="needs a GPU"):
+        OnnxRuntimeEngine(path, precision="fp16")
+
+
+def test_fp16_copy_keeps_fp32_io_and_is_cached(tmp_path):
+    pytest.importorskip("onnxconverter_common")
+    src = tmp_path / "m.onnx"
+    _affine(src)
+    out = fp16_path(src, tmp_path / "cache")
+    model = onnx.load(str(out))
+    assert model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert {t.data_type for t in model.graph.initializer} == {TensorProto.FLOAT16}
+    stamp = out.stat().st_mtime_ns
+    assert fp16_path(src, tmp_path / "cache") == out and out.stat().st_mtime_ns == stamp  # converted once
+
+
+def test_fp16_engine_on_the_stand_in_uses_the_converted_file(device, tmp_path):
+    pytest.importorskip("onnxconverter_common")
+    eng = _engine(tmp_path, precision="fp16")
+    assert eng._plan.path.name.endswith("-fp16.onnx") and eng._plan.precision == "fp16"
+    assert [s.datatype for s in eng.inputs] == ["FP32"]  # the model's own I/O
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+def test_gate_waits_for_readers_and_prefers_a_waiting_capture():
+    gate = CaptureGate()
+    order = []
+    reader_in, release_reader, writer_waiting = threading.Event(), threading.Event(), threading.Event()
+
+    def reader():
+        with gate.shared():
+            reader_in.set()
+            release_reader.wait()
+            order.append("first reader out")
+
+    def writer():
+        with gate.exclusive():
+            order.append("capture")
+
+    def late_reader():
+        with gate.shared():
+            order.append("late reader")
+
+    r = threading.Thread(target=reader)
+    r.start()
+    reader_in.wait()
+    w = threading.Thread(target=writer)
+    w.start()
+    while not gate._writers_waiting:  # the capture is queued behind the reader
+        threading.Event().wait(0.001)
+    late = threading.Thread(target=late_reader)
+    late.start()
+    while True:  # the late reader is blocked behind the waiting capture
+        with gate._cond:
+            if gate._readers == 1 and gate._writers_waiting == 1:
+                break
+    release_reader.set()
+    for t in (r, w, late):
+        t.join()
+    assert order == ["first reader out", "capture", "late reader"]
+    assert gate.captures == 1
+
+
+# --------------------------------------------------------------------------- the GPU check's own code
+
+
+def test_gpu_check_runs_its_thread_arrangement_on_the_stand_in(device, monkeypatch, capsys):
+    """bench.gpu_check's code paths (creation, every size, padding, concurrency, the report) on the stand-in, so
+    the device session spends its minutes on the GPU, not on typos; worker processes cannot carry the stand-in."""
+    from bench import gpu_check
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert gpu_check.main(["--models", "tiny_cnn", "--arrangements", "threads", "--seconds", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out
+    assert "'execution': 'cuda_graphs'" in out and "padded 3 -> 4 rows" in out
+    assert out.count("rows/s") == 3  # 1, 2 and 4 contexts
+
+
+async def test_the_batchers_executor_runs_batches_on_the_contexts_own_thread(device, tmp_path):
+    from batcher.executor import ThreadExecutor
+
+    ctx = _engine(tmp_path).create_context()
+    owner = ctx.executor.submit(threading.get_ident).result()
+    ex = ThreadExecutor(ctx, "t")
+    seen = await ex.submit(lambda c, x: (threading.get_ident(), c.execute({"x": x})["y"]), np.ones((2, 4), np.float32))
+    assert seen[0] == owner  # no hop: the batch ran on the thread that captured the graphs
+    np.testing.assert_allclose(seen[1], _want(np.ones((2, 4))), rtol=1e-6)
+    ex.close()
+    assert ctx.executor is None and device.gpu.counts() == {"pinned": 0, "streams": 0}
