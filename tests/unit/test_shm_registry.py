@@ -312,6 +312,14 @@ async def plane(**shared_memory) -> DataPlane:
     return dp
 
 
+async def plane_with_region(segment) -> tuple[SharedMemory, DataPlane]:
+    """A started data plane with system shared memory on, and region ``io``: all 4096 bytes of a new segment."""
+    seg = segment(4096)
+    dp = await plane(system=True)
+    await dp.shm_register("system", "io", key=seg.name, offset=0, byte_size=4096)
+    return seg, dp
+
+
 def counted(dp: DataPlane) -> dict[str, float]:
     sample = dp.metrics.registry.get_sample_value
     labels = {"model": "m", "version": "1"}
@@ -332,9 +340,7 @@ def reader(req: InferRequest):
 
 @pytest.mark.looptime
 async def test_data_plane_reads_inputs_from_and_writes_outputs_to_regions(segment):
-    seg = segment(4096)
-    dp = await plane(system=True)
-    await dp.shm_register("system", "io", key=seg.name, offset=0, byte_size=4096)
+    seg, dp = await plane_with_region(segment)
     assert dp.shm_status("system") == [{"name": "io", "key": seg.name, "offset": 0, "byte_size": 4096}]
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     put(seg, 0, x)
@@ -354,9 +360,7 @@ async def test_data_plane_reads_inputs_from_and_writes_outputs_to_regions(segmen
 
 @pytest.mark.looptime
 async def test_data_plane_unregister_during_a_request_waits_for_it(segment):
-    seg = segment(4096)
-    dp = await plane(system=True)
-    await dp.shm_register("system", "io", key=seg.name, offset=0, byte_size=4096)
+    seg, dp = await plane_with_region(segment)
     put(seg, 0, np.ones((1, 4), np.float32))
     req = request({"x": ShmInput("FP32", (1, 4), ShmRef("io", 0, 16))}, [RequestedOutput("y", None, ShmRef("io", 16, 16))])
     loop = asyncio.get_running_loop()
@@ -373,9 +377,7 @@ async def test_data_plane_unregister_during_a_request_waits_for_it(segment):
 
 @pytest.mark.looptime
 async def test_data_plane_close_unmaps_registered_regions(segment):
-    seg = segment(4096)
-    dp = await plane(system=True)
-    await dp.shm_register("system", "io", key=seg.name, offset=0, byte_size=4096)
+    seg, dp = await plane_with_region(segment)
     assert mappings(seg) == 2
     await dp.close()
     assert mappings(seg) == 1
