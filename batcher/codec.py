@@ -14,12 +14,19 @@ binary data extension, docs/protocol/extension_binary_data.md):
 * Outputs are returned as binary when the output's ``parameters.binary_data`` is true, or, for outputs without
   that parameter, when the request's ``parameters.binary_data_output`` is true.
 
+Triton's shared-memory extensions: an input or output may name ``shared_memory_region`` and
+``shared_memory_byte_size`` (``shared_memory_offset`` optional) in its ``parameters`` instead of carrying data;
+such an input decodes to a :class:`~batcher.protocol.ShmInput` (the data plane reads it, :mod:`batcher.shm`) and
+such an output is encoded as its name, datatype, shape and those parameters only.
+
 Non-finite floats (NaN, +-Inf) in JSON outputs are written as ``null`` (JSON has no NaN); binary outputs carry
 them bit-exact.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import struct
 from typing import Any
@@ -27,10 +34,11 @@ from typing import Any
 import numpy as np
 import orjson
 
+from engines.cuda import IPC_HANDLE_BYTES
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
 from .errors import InvalidInput
-from .protocol import InferRequest, InferResponse, RequestedOutput
+from .protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LEN = struct.Struct("<I")
@@ -63,6 +71,17 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(p, dict):
         raise InvalidInput(f"{where}.parameters: expected an object, got {type(p).__name__}")
     return p
+
+
+def _json_object(raw: bytes | memoryview, where: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object. Raises InvalidInput: not JSON, or not an object."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def decode_bytes_elements(raw: memoryview | bytes, count: int, where: str) -> np.ndarray:
@@ -188,18 +207,13 @@ def decode_request(
             raise InvalidInput(f"{HEADER_LENGTH}: {n} is outside the body's {len(body)} bytes")
         view = memoryview(body)
         json_part, binary = view[:n], view[n:]
-    try:
-        doc = orjson.loads(json_part)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput(f"request body: expected a JSON object, got {type(doc).__name__}")
+    doc = _json_object(json_part, "request body")
     req_params = _params(doc, "request")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("inputs: expected a non-empty list of input tensors")
 
-    inputs: dict[str, np.ndarray] = {}
+    inputs: dict[str, np.ndarray | ShmInput] = {}
     offset = 0
     for i, t in enumerate(raw_inputs):
         where = f"inputs[{i}]"
@@ -224,7 +238,12 @@ def decode_request(
         if count > max_elements:
             raise InvalidInput(f"{where}.shape: {shape} holds {count} elements, over the limit of {max_elements} "
                                "(server.max_tensor_elements)")
-        size = _int_param(_params(t, where), "binary_data_size", where + ".parameters")
+        params = _params(t, where)
+        size = _int_param(params, "binary_data_size", where + ".parameters")
+        ref = _shm_ref(params, where + ".parameters")
+        if ref is not None:
+            inputs[name] = _shm_input(ref, datatype, shape, count, where, "data" in t or size is not None)
+            continue
         if size is not None:
             if "data" in t:
                 raise InvalidInput(f"{where}: has both data and binary_data_size")
@@ -265,10 +284,13 @@ def decode_request(
                 raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {o!r}")
             if any(r.name == o["name"] for r in outputs):
                 raise InvalidInput(f"outputs[{i}]: output '{o['name']}' is requested twice")
-            op = _params(o, f"outputs[{i}]")
+            op, where = _params(o, f"outputs[{i}]"), f"outputs[{i}].parameters"
             if op.get("classification"):
-                raise InvalidInput(f"outputs[{i}].parameters.classification: not supported by this server")
-            outputs.append(RequestedOutput(o["name"], _bool_param(op, "binary_data", f"outputs[{i}].parameters")))
+                raise InvalidInput(f"{where}.classification: not supported by this server")
+            binary, ref = _bool_param(op, "binary_data", where), _shm_ref(op, where)
+            if ref is not None and binary:
+                raise InvalidInput(f"{where}: shared_memory_region and binary_data true cannot be combined")
+            outputs.append(RequestedOutput(o["name"], binary, ref))
 
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
@@ -282,6 +304,39 @@ def decode_request(
         priority=_int_param(req_params, "priority", "request.parameters") or None,
         parameters=req_params,
     )
+
+
+def _shm_ref(params: dict[str, Any], where: str) -> ShmRef | None:
+    """Triton's shared-memory parameters of an input or output: ``shared_memory_region`` and
+    ``shared_memory_byte_size`` together (``shared_memory_offset`` optional, default 0), or none of them.
+
+    Raises:
+        InvalidInput: one without the other, a region name that is not a non-empty string, a negative size.
+    """
+    region = params.get("shared_memory_region")
+    size = _int_param(params, "shared_memory_byte_size", where)
+    offset = _int_param(params, "shared_memory_offset", where)
+    if region is None:
+        if size is not None or offset is not None:
+            raise InvalidInput(f"{where}: shared_memory_byte_size and shared_memory_offset need shared_memory_region")
+        return None
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{where}.shared_memory_region: expected a region name, got {region!r}")
+    if size is None:
+        raise InvalidInput(f"{where}: shared_memory_region needs shared_memory_byte_size")
+    return ShmRef(region, offset or 0, size)
+
+
+def _shm_input(ref: ShmRef, datatype: str, shape: list[int], count: int, where: str, has_data: bool) -> ShmInput:
+    """An input in shared memory: no data of its own, and (non-BYTES) exactly the bytes its shape needs."""
+    if has_data:
+        raise InvalidInput(f"{where}: set only one of data, parameters.binary_data_size and "
+                           "parameters.shared_memory_region")
+    want = count * NUMPY_DTYPES[datatype].itemsize
+    if datatype != "BYTES" and ref.byte_size != want:
+        raise InvalidInput(f"{where}.parameters.shared_memory_byte_size: shape {shape} of {datatype} needs {want} "
+                           f"bytes, got {ref.byte_size}")
+    return ShmInput(datatype, tuple(shape), ref)
 
 
 def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
@@ -305,7 +360,10 @@ def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
         arr = outputs[w.name]
         datatype = from_numpy(arr.dtype)
         entry: dict[str, Any] = {"name": w.name, "datatype": datatype, "shape": list(arr.shape)}
-        if w.binary if w.binary is not None else request.binary_output:
+        if w.shm is not None:  # the data plane wrote it into the region: name, datatype, shape and where only
+            entry["parameters"] = {"shared_memory_region": w.shm.region, "shared_memory_offset": w.shm.offset,
+                                   "shared_memory_byte_size": w.shm.byte_size}
+        elif w.binary if w.binary is not None else request.binary_output:
             blob = encode_bytes_elements(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
@@ -322,3 +380,39 @@ def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
     if not blobs:
         return head, None
     return b"".join([head, *blobs]), len(head)
+
+
+def decode_shm_register(kind: str, body: bytes) -> dict[str, Any]:
+    """The JSON body of a shared-memory register call, as keyword arguments of ``DataPlane.shm_register``:
+    system ``{"key": str, "offset": int (default 0), "byte_size": int}``; CUDA ``{"raw_handle": {"b64": str},
+    "device_id": int, "byte_size": int}`` (``raw_handle``: the 64 bytes of a ``cudaIpcMemHandle_t``, base64).
+
+    Raises:
+        InvalidInput: not a JSON object, a field missing or of the wrong type, a handle that is not 64 bytes.
+    """
+    where = f"{kind} shared memory register request"
+    doc = _json_object(body, where)
+    allowed = {"system": ("key", "offset", "byte_size"), "cuda": ("raw_handle", "device_id", "byte_size")}[kind]
+    if unknown := sorted(set(doc) - set(allowed)):
+        raise InvalidInput(f"{where}: unknown field(s) {unknown}; fields: {', '.join(allowed)}")
+    byte_size = _int_param(doc, "byte_size", where)
+    if byte_size is None:
+        raise InvalidInput(f"{where}: byte_size is required")
+    if kind == "system":
+        key = doc.get("key")
+        if not isinstance(key, str) or not key:
+            raise InvalidInput(f"{where}.key: expected the shared memory key (a string), got {key!r}")
+        return {"key": key, "offset": _int_param(doc, "offset", where) or 0, "byte_size": byte_size}
+    raw = doc.get("raw_handle")
+    b64 = raw.get("b64") if isinstance(raw, dict) else None
+    try:
+        handle = base64.b64decode(b64, validate=True) if isinstance(b64, str) else None
+    except binascii.Error:
+        handle = None
+    if handle is None or len(handle) != IPC_HANDLE_BYTES:
+        raise InvalidInput(f"{where}.raw_handle: expected {{\"b64\": the base64 of a {IPC_HANDLE_BYTES}-byte "
+                           "cudaIpcMemHandle_t}")
+    device_id = _int_param(doc, "device_id", where)
+    if device_id is None:
+        raise InvalidInput(f"{where}: device_id is required")
+    return {"raw_handle": handle, "device_id": device_id, "byte_size": byte_size}

@@ -298,6 +298,22 @@ class ModelConfig(_Strict):
         return self
 
 
+class SharedMemoryConfig(_Strict):
+    """Triton's shared-memory extensions for clients on the same host (Triton's ``--allow-client-shm``): off by
+    default. A client that may register a region can read and write any POSIX shared-memory segment (system) or
+    CUDA allocation it holds a handle to (cuda) that the server's user can open: enable them for trusted local
+    clients only.
+
+    Attributes:
+        system: ``v2/systemsharedmemory/...`` and tensors in POSIX shared memory (``shm_open`` keys).
+        cuda: ``v2/cudasharedmemory/...`` and tensors in another process's GPU memory (``cudaIpcOpenMemHandle``);
+            registering needs a usable CUDA device.
+    """
+
+    system: bool = False
+    cuda: bool = False
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -326,6 +342,8 @@ class ServerConfig(_Strict):
     #: a directory in Triton's repository layout (``<model>/<version>/model.onnx``, KServe's /mnt/models): every
     #: model in it is served besides ``models`` (:mod:`batcher.model_repository`); relative to the config file.
     model_repository: str | None = None
+    #: Triton's system and CUDA shared-memory extensions (:class:`SharedMemoryConfig`), off unless enabled.
+    shared_memory: SharedMemoryConfig = SharedMemoryConfig()
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:

@@ -3,6 +3,8 @@
 After MLServer's ``handlers/dataplane.py``: the HTTP handlers (:mod:`batcher.routes`) only read bodies, decode,
 encode and build responses; they call :class:`DataPlane`, which routes to a model version, pins it, validates,
 queues, waits and accounts. A front end in another process can call the same methods across a process boundary.
+Tensors in shared memory (Triton's extensions, :mod:`batcher.shm`) are read from their regions right after the
+request is read and outputs written to theirs before the answer is delivered; the regions live here.
 
 Accounting rule (one place, :meth:`DataPlane.infer`): every inference request that names a configured model
 moves exactly one outcome - ``batcher_request_success_total`` and the statistics extension's ``success``, or
@@ -31,6 +33,7 @@ from .repository import READY, ModelRepository, ModelSlot
 from .retention import ThroughputTracker
 from .routing import Router
 from .scheduler import ModelRunner
+from .shm import SharedMemoryRegistry
 from .signature import ModelSignature
 from .triton_config import PLATFORMS, model_config_json
 
@@ -60,6 +63,8 @@ class DataPlane:
         self.repository = repository or ModelRepository(config, metrics)
         self.router = Router(self.repository)
         self.repository.on_load.insert(0, self._attach_runner)
+        #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
+        self.shm = SharedMemoryRegistry(config.server.shared_memory)
         #: False until started, and again from the moment a drain begins: new requests get 503.
         self.ready = False
         self._active = 0  # accepted inference requests not yet answered
@@ -105,6 +110,7 @@ class DataPlane:
                 pass
             self._monitor = None
         await self.repository.close()
+        await self.shm.close()
 
     async def _watch_throughput(self, tick_s: float = 1.0) -> None:
         """Every ``tick_s``: per-model throughput and the live retention ratio (:mod:`batcher.retention`)."""
@@ -143,16 +149,19 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         try:
             request = await read()
-            deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
-            owner = slot = await self.router.acquire(target, deadline)
-            try:
-                rows = slot.signature.check(slot.name, request.inputs)
-                slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
-                outputs = await slot.runner.infer(request.inputs, rows=rows, received=received, deadline=deadline,
-                                             priority=request.priority)
-            finally:
-                self.router.release(slot)
-            answer = await deliver(InferResponse(slot.name, slot.version, outputs, request))
+            async with self.shm.hold(request) as held:  # regions the request names stay mapped until it is done
+                inputs = await held.inputs()
+                deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
+                owner = slot = await self.router.acquire(target, deadline)
+                try:
+                    rows = slot.signature.check(slot.name, inputs)
+                    slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
+                    outputs = await slot.runner.infer(inputs, rows=rows, received=received, deadline=deadline,
+                                                      priority=request.priority)
+                finally:
+                    self.router.release(slot)
+                await held.write(outputs)
+                answer = await deliver(InferResponse(slot.name, slot.version, outputs, request))
             if deadline is not None and loop.time() > deadline:  # ready too late: no answer after a deadline
                 raise DeadlineExceeded(f"model '{slot.name}': the answer was ready after the request's deadline")
         except BatcherError as exc:
@@ -264,3 +273,17 @@ class DataPlane:
         """Unload every served version of ``model`` (requests in flight finish first). Raises ModelNotFound."""
         for slot in self.repository_slots(model):
             await self.repository.unload(slot)
+
+    # ---------------------------------------------------------------- shared-memory extensions (batcher.shm)
+    async def shm_register(self, kind: str, name: str, **params: Any) -> None:
+        """Register region ``name``: ``kind`` ``"system"`` (``key``, ``offset``, ``byte_size``) or ``"cuda"``
+        (``raw_handle`` bytes, ``device_id``, ``byte_size``). Raises NotFound (extension off), InvalidInput."""
+        await self.shm.register(kind, name, **params)
+
+    async def shm_unregister(self, kind: str, name: str | None = None) -> None:
+        """Unregister region ``name`` of ``kind`` (all of them when None). Raises NotFound (extension off)."""
+        await self.shm.unregister(kind, name)
+
+    def shm_status(self, kind: str, name: str | None = None) -> list[dict[str, Any]]:
+        """Triton's status list of ``kind``'s regions (one when ``name`` is given). Raises NotFound."""
+        return self.shm.status(kind, name)

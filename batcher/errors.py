@@ -48,6 +48,13 @@ class ModelNotFound(BatcherError):
     reason = "not_found"
 
 
+class NotFound(BatcherError):
+    """Something other than a model that is not there: a shared-memory region, or a disabled extension's endpoint."""
+
+    status = 404
+    reason = "not_found"
+
+
 class PayloadTooLarge(BatcherError):
     """Request body over ``server.max_body_bytes``."""
 

@@ -11,11 +11,39 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class ShmRef:
+    """Where a tensor lies in a registered shared-memory region (Triton's ``shared_memory_region``,
+    ``shared_memory_offset`` and ``shared_memory_byte_size`` parameters).
+
+    Attributes:
+        region: the name the region was registered under (system and CUDA regions share one namespace).
+        offset: bytes from the start of the region (not of the underlying segment).
+        byte_size: bytes the tensor may take there.
+    """
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class ShmInput:
+    """An input whose data lies in shared memory; the data plane turns it into an array (:mod:`batcher.shm`)
+    before validation. ``shape`` includes the batch dim; ``ref.byte_size`` was checked against it (non-BYTES)."""
+
+    datatype: str
+    shape: tuple[int, ...]
+    ref: ShmRef
+
+
+@dataclass(frozen=True)
 class RequestedOutput:
-    """An output the client asked for; ``binary`` is None when the client did not say."""
+    """An output the client asked for; ``binary`` is None when the client did not say; ``shm``: write it into
+    that shared-memory place instead of the response body."""
 
     name: str
     binary: bool | None = None
+    shm: ShmRef | None = None
 
 
 @dataclass
@@ -23,7 +51,8 @@ class InferRequest:
     """A decoded inference request.
 
     Attributes:
-        inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``).
+        inputs: input name -> array; shape and dtype as the request declared (BYTES: object array of ``bytes``);
+            a :class:`ShmInput` until the data plane resolves it.
         outputs: requested outputs in order; None means every output of the model.
         binary_output: the request-level ``binary_data_output`` default.
         timeout_us: Triton's ``parameters.timeout`` (microseconds), if given; 0 means "no timeout of its own"
@@ -32,7 +61,7 @@ class InferRequest:
             level.
     """
 
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray | ShmInput]
     id: str | None = None
     outputs: list[RequestedOutput] | None = None
     binary_output: bool = False

@@ -19,12 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
-from .codec import HEADER_LENGTH, decode_request, encode_response
+from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response
 from .errors import ModelNotFound, RequestTimeout, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
 from .repository import ModelSlot
+from .shm import require_enabled
 
 #: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.
 OFFLOAD_BYTES = 256 * 1024
@@ -61,8 +62,10 @@ async def ready(request: web.Request) -> web.Response:
 @routes.get("/v2")
 async def server_metadata(request: web.Request) -> web.Response:
     extensions = ["binary_tensor_data", "model_configuration", "statistics"]
-    if request.app[CONFIG].server.repository_api:
+    server = request.app[CONFIG].server
+    if server.repository_api:
         extensions.append("model_repository")
+    extensions += [f"{kind}_shared_memory" for kind in ("system", "cuda") if getattr(server.shared_memory, kind)]
     return _json({"name": "trt-batcher", "version": __version__, "extensions": extensions})
 
 
@@ -180,6 +183,39 @@ async def repository_load(request: web.Request) -> web.Response:
 async def repository_unload(request: web.Request) -> web.Response:
     _repository(request)
     await request.app[DATAPLANE].unload(request.match_info["model"])
+    return _json({})
+
+
+# ---------------------------------------------------------------------------- shared-memory extensions
+_SHM = "/v2/{kind:systemsharedmemory|cudasharedmemory}"
+
+
+def _shm_kind(request: web.Request) -> str:
+    """``"system"`` or ``"cuda"``; NotFound (404) while that extension is off."""
+    kind = "system" if request.match_info["kind"] == "systemsharedmemory" else "cuda"
+    require_enabled(request.app[CONFIG].server.shared_memory, kind)
+    return kind
+
+
+@routes.get(_SHM + "/status")
+@routes.get(_SHM + "/region/{name}/status")
+async def shm_status(request: web.Request) -> web.Response:
+    """Triton's shared-memory status: every region of the kind, or one (:mod:`batcher.shm`)."""
+    return _json(request.app[DATAPLANE].shm_status(_shm_kind(request), request.match_info.get("name")))
+
+
+@routes.post(_SHM + "/region/{name}/register")
+async def shm_register(request: web.Request) -> web.Response:
+    kind = _shm_kind(request)
+    params = decode_shm_register(kind, await request.read())
+    await request.app[DATAPLANE].shm_register(kind, request.match_info["name"], **params)
+    return _json({})
+
+
+@routes.post(_SHM + "/unregister")
+@routes.post(_SHM + "/region/{name}/unregister")
+async def shm_unregister(request: web.Request) -> web.Response:
+    await request.app[DATAPLANE].shm_unregister(_shm_kind(request), request.match_info.get("name"))
     return _json({})
 
 

@@ -210,19 +210,24 @@ class ModelRunner:
             except asyncio.CancelledError:
                 self._idle.put_nowait(idx)
                 raise
-            now = self._loop.time()
-            for p in batch:
-                p.state = State.EXECUTING  # its deadline timer stays armed (see _expire)
-                self.metrics.queue_duration.observe(now - p.arrival)
-                self.stats.queue.add(now - p.arrival)
-            rows = sum(p.rows for p in batch)
-            self._set_depth(self._depth - len(batch))
-            self._queued_rows -= rows
-            self._executing_rows += rows
-            fut = asyncio.ensure_future(
-                self._executors[idx].submit(execute_batch, batch, self.name, self.times.estimate(rows), self._loop.time))
-            self._running.add(fut)
-            fut.add_done_callback(partial(self._finish, idx, batch))
+            self._dispatch(idx, batch)
+            del batch  # this frame now waits for an idle executor: it must not keep the batch's inputs alive
+
+    def _dispatch(self, idx: int, batch: list[Pending]) -> None:
+        """Hand ``batch`` to executor ``idx``; :meth:`_finish` settles its requests."""
+        now = self._loop.time()
+        for p in batch:
+            p.state = State.EXECUTING  # its deadline timer stays armed (see _expire)
+            self.metrics.queue_duration.observe(now - p.arrival)
+            self.stats.queue.add(now - p.arrival)
+        rows = sum(p.rows for p in batch)
+        self._set_depth(self._depth - len(batch))
+        self._queued_rows -= rows
+        self._executing_rows += rows
+        fut = asyncio.ensure_future(
+            self._executors[idx].submit(execute_batch, batch, self.name, self.times.estimate(rows), self._loop.time))
+        self._running.add(fut)
+        fut.add_done_callback(partial(self._finish, idx, batch))
 
     async def _next_batch(self) -> list[Pending]:
         while True:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import re
 import struct
 
 import numpy as np
@@ -14,10 +16,12 @@ from batcher.codec import (
     RequestedOutput,
     decode_bytes_elements,
     decode_request,
+    decode_shm_register,
     encode_bytes_elements,
     encode_response,
 )
 from batcher.errors import InvalidInput
+from batcher.protocol import ShmInput, ShmRef
 from bench.sweep.requests import HEADER_LENGTH, build_request
 
 
@@ -183,3 +187,97 @@ def test_tensor_element_limit():
     with pytest.raises(InvalidInput, match=r"\[10, 11\] holds 110 elements, over the limit of 100"):
         decode_request(orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [10, 11],
                                                  "data": [0] * 110}]}), None, 100)
+
+
+# ---------------------------------------------------------------------------- shared-memory parameters
+
+
+def _shm_input(**params) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3], "parameters": params}]})
+
+
+def test_shm_input_and_output_parameters_decode_to_refs():
+    body = orjson.dumps({
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3],
+                    "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 24,
+                                   "shared_memory_offset": 8}},
+                   {"name": "s", "datatype": "BYTES", "shape": [1],
+                    "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 9}}],
+        "outputs": [{"name": "y", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 24,
+                                                 "binary_data": False}},
+                    {"name": "z", "parameters": {"binary_data": True}}]})
+    req = decode_request(body)
+    assert req.inputs["x"] == ShmInput("FP32", (2, 3), ShmRef("in", 8, 24))
+    assert req.inputs["s"] == ShmInput("BYTES", (1,), ShmRef("in", 0, 9))  # BYTES: size not derivable from shape
+    assert req.outputs == [RequestedOutput("y", False, ShmRef("out", 0, 24)), RequestedOutput("z", True, None)]
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"shared_memory_region": "r"}, "shared_memory_region needs shared_memory_byte_size"),
+    ({"shared_memory_byte_size": 24}, "need shared_memory_region"),
+    ({"shared_memory_offset": 0}, "need shared_memory_region"),
+    ({"shared_memory_region": "r", "shared_memory_byte_size": 20}, "shape [2, 3] of FP32 needs 24 bytes, got 20"),
+    ({"shared_memory_region": "r", "shared_memory_byte_size": -24}, "expected a non-negative integer"),
+    ({"shared_memory_region": "r", "shared_memory_byte_size": 24, "shared_memory_offset": "8"},
+     "shared_memory_offset: expected a non-negative integer"),
+    ({"shared_memory_region": 7, "shared_memory_byte_size": 24}, "expected a region name, got 7"),
+    ({"shared_memory_region": "r", "shared_memory_byte_size": 24, "binary_data_size": 24},
+     "set only one of data, parameters.binary_data_size and parameters.shared_memory_region"),
+])
+def test_bad_shm_input_parameters_are_400(params, message):
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        decode_request(_shm_input(**params))
+
+
+def test_shm_input_with_data_is_400():
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0],
+                                     "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}]})
+    with pytest.raises(InvalidInput, match="set only one of data"):
+        decode_request(body)
+
+
+def test_shm_output_with_binary_data_true_is_400():
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+                         "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r",
+                                                                  "shared_memory_byte_size": 4, "binary_data": True}}]})
+    with pytest.raises(InvalidInput, match="shared_memory_region and binary_data true cannot be combined"):
+        decode_request(body)
+
+
+def test_shm_output_is_encoded_without_data_and_other_outputs_keep_theirs():
+    req = InferRequest({}, outputs=[RequestedOutput("y", None, ShmRef("out", 16, 64)),
+                                    RequestedOutput("z", True)], id="7")
+    outputs = {"y": np.ones((2, 3), np.float32), "z": np.arange(3, dtype=np.int32)}
+    body, json_length = encode_response(InferResponse("m", "1", outputs, req))
+    doc = orjson.loads(body[:json_length])
+    assert doc["outputs"] == [
+        {"name": "y", "datatype": "FP32", "shape": [2, 3],
+         "parameters": {"shared_memory_region": "out", "shared_memory_offset": 16, "shared_memory_byte_size": 64}},
+        {"name": "z", "datatype": "INT32", "shape": [3], "parameters": {"binary_data_size": 12}}]
+    assert body[json_length:] == np.arange(3, dtype=np.int32).tobytes()  # y's bytes are not in the body
+
+
+def test_shm_register_bodies():
+    assert decode_shm_register("system", b'{"key": "/k", "byte_size": 64}') == {"key": "/k", "offset": 0,
+                                                                               "byte_size": 64}
+    handle = bytes(range(64))
+    body = orjson.dumps({"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 1, "byte_size": 8})
+    assert decode_shm_register("cuda", body) == {"raw_handle": handle, "device_id": 1, "byte_size": 8}
+
+
+@pytest.mark.parametrize("kind,body,message", [
+    ("system", b"", "system shared memory register request is not valid JSON"),
+    ("system", b"[]", "expected a JSON object, got list"),
+    ("system", b'{"key": "/k"}', "byte_size is required"),
+    ("system", b'{"key": 3, "byte_size": 8}', "key: expected the shared memory key (a string), got 3"),
+    ("system", b'{"key": "/k", "byte_size": 8, "offset": -1}', "offset: expected a non-negative integer"),
+    ("system", b'{"key": "/k", "byte_size": 8, "device_id": 0}', "unknown field(s) ['device_id']"),
+    ("cuda", b'{"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8}', "base64 of a 64-byte"),
+    ("cuda", b'{"raw_handle": {"b64": "not base64!"}, "device_id": 0, "byte_size": 8}', "base64 of a 64-byte"),
+    ("cuda", b'{"raw_handle": "x", "device_id": 0, "byte_size": 8}', "base64 of a 64-byte"),
+    ("cuda", orjson.dumps({"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "byte_size": 8}),
+     "device_id is required"),
+])
+def test_bad_shm_register_bodies_are_400(kind, body, message):
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        decode_shm_register(kind, body)

@@ -268,3 +268,20 @@ async def test_queue_metrics_and_statistics_follow_the_batches():
     assert sample("batcher_batch_size_count", {"model": "m", "version": "1"}) == 1
     assert sample("batcher_queue_depth", {"model": "m", "version": "1"}) == 0
     await r.close()
+
+
+async def test_an_answered_request_keeps_nothing_of_its_inputs_alive():
+    """The batcher loop waits for the next idle executor holding no reference to the last batch: a request's
+    inputs (a shared-memory view, a request body) are freed once it is answered, not at the next batch."""
+    import gc
+    import weakref
+
+    r, _, _, _ = runner()
+    x = np.ones((1, 4), np.float32)
+    alive = weakref.ref(x)
+    out = await r.infer({"x": x}, rows=1, received=now())
+    np.testing.assert_array_equal(out["y"], np.full((1, 4), 2.0))
+    del x, out
+    gc.collect()
+    assert alive() is None
+    await r.close()

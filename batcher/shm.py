@@ -1,0 +1,236 @@
+"""Triton's shared-memory extensions (``docs/protocol/extension_shared_memory.md``): the registry of the regions
+clients registered, and each request's hold on the regions it names.
+
+A local client puts tensors in memory it shares with the server instead of in the HTTP body: system shared memory
+(POSIX segments, ``v2/systemsharedmemory/...``) or, on GPU, CUDA shared memory (device memory exported with a CUDA
+IPC handle, ``v2/cudasharedmemory/...``). Region kinds: :mod:`batcher.shm_regions`. The registry lives where the
+:class:`~batcher.dataplane.DataPlane` lives (the engine process when front ends run in other processes), so a
+shared-memory input reaches the batch without passing through a front end.
+
+Rules (Triton's unless said otherwise):
+
+* Off unless ``server.shared_memory.system`` / ``.cuda`` is true; when off, its endpoints answer 404 and a
+  request naming a region gets 400.
+* Names: one namespace for system and CUDA regions; registering a name that is taken is 400, as are a key that
+  does not exist, a segment smaller than ``offset + byte_size`` and a handle CUDA refuses. At most
+  :data:`MAX_REGIONS` regions (this server's bound).
+* Tensors: an input or output's ``shared_memory_offset + shared_memory_byte_size`` must lie inside its region
+  (400 naming the region, the offset, the size and the region's size); an output larger than its
+  ``shared_memory_byte_size`` is 400 after execution.
+* Lifetime: a request holds every region it names (a reference count) from the moment it is read until its answer
+  is delivered. Unregistering answers at once and the region leaves the namespace at once (status no longer lists
+  it, new requests naming it get 400, the name can be registered again); it is unmapped when the last request
+  holding it is done. Triton also answers at once and defers the unmap, but keeps the region listed and usable
+  until then. Unregistering an unknown name is not an error (Triton). Every region is unmapped at shutdown.
+* Copies: a system-shm input is a zero-copy, read-only view of the mapping; the batch's stacking copies it once
+  (a lone request's view goes to the engine as it is). A CUDA input is copied device-to-host once (the engine
+  contract takes host arrays); outputs are copied into their region before the answer is delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from .config import SharedMemoryConfig
+from .errors import InvalidInput, NotFound, Unavailable
+from .protocol import InferRequest, ShmInput, ShmRef
+from .shm_regions import CudaRegion, CudaStaging, Region, SystemRegion, tensor_bytes
+
+#: Most regions registered at once (system and CUDA together).
+MAX_REGIONS = 1024
+#: A system-shm copy of more bytes than this runs in a worker thread, so the event loop keeps serving.
+OFFLOAD_BYTES = 256 * 1024
+KINDS = ("system", "cuda")
+
+
+def require_enabled(config: SharedMemoryConfig, kind: str) -> None:
+    """Raises NotFound (404) unless ``kind`` (``"system"`` or ``"cuda"``) is a shared-memory extension that is on."""
+    if kind not in KINDS:
+        raise NotFound(f"unknown shared memory kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if not getattr(config, kind):
+        raise NotFound(f"{kind} shared memory is disabled (server.shared_memory.{kind}: false)")
+
+
+class SharedMemoryRegistry:
+    """The registered regions by name. Used from the event loop; CUDA work runs in worker threads."""
+
+    def __init__(self, config: SharedMemoryConfig) -> None:
+        self.config = config
+        self._regions: dict[str, Region] = {}
+        self._opening: set[str] = set()  # names whose CUDA region is being opened in a thread
+        self._retired: set[Region] = set()  # unregistered while held by requests
+        self._staging: dict[int, CudaStaging] = {}  # device -> staging for its CUDA regions
+        self._closed = False
+
+    # ---------------------------------------------------------------- register, unregister, status
+    async def register(self, kind: str, name: str, **params: Any) -> None:
+        """Map a client's region under ``name``: ``kind`` ``"system"`` with ``key``, ``offset``, ``byte_size``, or
+        ``"cuda"`` with ``raw_handle`` (64 bytes), ``device_id``, ``byte_size``.
+
+        Raises:
+            NotFound: the extension is off. InvalidInput: name taken or empty, too many regions, or the region
+            cannot be opened (:mod:`batcher.shm_regions`). Unavailable: the server is shutting down.
+        """
+        require_enabled(self.config, kind)
+        if self._closed:
+            raise Unavailable("the server is shutting down")
+        if not name:
+            raise InvalidInput("a shared memory region needs a name")
+        if name in self._regions or name in self._opening:
+            raise InvalidInput(f"shared memory region '{name}' is already registered; unregister it first")
+        if len(self._regions) + len(self._opening) >= MAX_REGIONS:
+            raise InvalidInput(f"{MAX_REGIONS} shared memory regions are registered already; unregister some first")
+        if kind == "system":
+            region: Region = SystemRegion(name, **params)
+        else:
+            device = params["device_id"]
+            staging = self._staging.setdefault(device, CudaStaging(device))
+            self._opening.add(name)
+            try:
+                region = await asyncio.to_thread(CudaRegion, name, staging=staging, **params)
+            finally:
+                self._opening.discard(name)
+            if self._closed:
+                region.close()
+                raise Unavailable("the server is shutting down")
+        self._regions[name] = region
+
+    async def unregister(self, kind: str, name: str | None = None) -> None:
+        """Unregister region ``name`` of ``kind``, or every region of ``kind`` when ``name`` is None (module
+        docstring: lifetime). Raises NotFound: the extension is off."""
+        require_enabled(self.config, kind)
+        names = [name] if name is not None else list(self._regions)
+        for n in names:
+            region = self._regions.get(n)
+            if region is None or region.kind != kind:
+                continue
+            del self._regions[n]
+            region.retired = True
+            if region.users:
+                self._retired.add(region)
+            else:
+                region.close()
+
+    def status(self, kind: str, name: str | None = None) -> list[dict[str, Any]]:
+        """Triton's status list: every region of ``kind``, or region ``name`` (system: ``name, key, offset,
+        byte_size``; CUDA: ``name, device_id, byte_size``).
+
+        Raises:
+            NotFound: the extension is off, no region has that name, or it is of the other kind.
+        """
+        require_enabled(self.config, kind)
+        if name is None:
+            return [r.status() for r in self._regions.values() if r.kind == kind]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"unable to find {kind} shared memory region '{name}'")
+        if region.kind != kind:
+            raise NotFound(f"the region named '{name}' is registered as {region.kind} shared memory, not {kind}")
+        return [region.status()]
+
+    # ---------------------------------------------------------------- requests
+    def hold(self, request: InferRequest) -> Hold:
+        """Check every region the request names and take a reference on each until the hold is released.
+
+        Raises:
+            InvalidInput: a region that is not registered, or a tensor outside its region.
+        """
+        refs = [(f"input '{n}'", t.ref) for n, t in request.inputs.items() if isinstance(t, ShmInput)]
+        refs += [(f"output '{o.name}'", o.shm) for o in request.outputs or () if o.shm is not None]
+        regions: dict[str, Region] = {}
+        for where, ref in refs:
+            region = self._regions.get(ref.region)
+            if region is None:
+                off = "" if self.config.system or self.config.cuda else " (shared memory is disabled: server.shared_memory)"
+                raise InvalidInput(f"{where}: shared memory region '{ref.region}' is not registered{off}")
+            region.check(ref, where)
+            regions[ref.region] = region
+        return Hold(self, request, regions)
+
+    def _release(self, regions: list[Region]) -> None:
+        for region in regions:
+            region.users -= 1
+            if region.retired and not region.users:
+                self._retired.discard(region)
+                region.close()
+
+    async def close(self) -> None:
+        """Unmap every region and free the CUDA staging buffers (at shutdown, after the last request)."""
+        self._closed = True
+        regions = [*self._regions.values(), *self._retired]
+        self._regions.clear()
+        self._retired.clear()
+        for region in regions:
+            region.close()
+        for staging in self._staging.values():
+            staging.close()
+        self._staging.clear()
+
+
+class Hold:
+    """A request's references on the regions it names (:meth:`SharedMemoryRegistry.hold`); ``async with`` releases
+    them on exit. While a CUDA copy started for it still runs (its request was cancelled meanwhile), the release
+    waits for that copy."""
+
+    def __init__(self, registry: SharedMemoryRegistry, request: InferRequest, regions: dict[str, Region]) -> None:
+        self._registry = registry
+        self._request = request
+        self._regions = regions
+        self._busy: asyncio.Future | None = None
+        for region in regions.values():
+            region.users += 1
+
+    async def __aenter__(self) -> Hold:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        regions = list(self._regions.values())
+        self._regions = {}
+        if not regions:
+            return
+        if self._busy is not None and not self._busy.done():
+            self._busy.add_done_callback(lambda _: self._registry._release(regions))
+        else:
+            self._registry._release(regions)
+
+    async def _run(self, region: Region, nbytes: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``: inline, or in a worker thread for CUDA and for large system copies."""
+        if not region.blocking and nbytes <= OFFLOAD_BYTES:
+            return fn(*args)
+        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self._busy)
+
+    async def inputs(self) -> dict[str, np.ndarray]:
+        """The request's inputs with every :class:`~batcher.protocol.ShmInput` read from its region (module
+        docstring: copies). Raises InvalidInput: BYTES or BOOL data that does not parse, a CUDA copy refused."""
+        inputs = self._request.inputs
+        if not self._regions:
+            return inputs  # type: ignore[return-value]
+        out = dict(inputs)
+        for name, t in inputs.items():
+            if isinstance(t, ShmInput):
+                region = self._regions[t.ref.region]
+                read_bytes = t.ref.byte_size if region.blocking else 0  # a system read is a view
+                out[name] = await self._run(region, read_bytes, region.read, t.ref, t.datatype, t.shape,
+                                            f"input '{name}'")
+        return out
+
+    async def write(self, outputs: dict[str, np.ndarray]) -> None:
+        """Copy each output the request placed in shared memory into its region.
+
+        Raises:
+            InvalidInput: an output larger than its ``shared_memory_byte_size``; a CUDA copy refused.
+        """
+        for o in self._request.outputs or ():
+            if o.shm is None:
+                continue
+            data = tensor_bytes(outputs[o.name])
+            ref: ShmRef = o.shm
+            if data.nbytes > ref.byte_size:
+                raise InvalidInput(f"output '{o.name}' needs {data.nbytes} bytes, shared_memory_byte_size of region "
+                                   f"'{ref.region}' is {ref.byte_size}")
+            region = self._regions[ref.region]
+            await self._run(region, data.nbytes, region.write, ref.offset, data)

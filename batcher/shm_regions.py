@@ -1,0 +1,262 @@
+"""The two kinds of client shared-memory region of Triton's shared-memory extensions, and how tensors are read from
+and written to them (the rules they serve: :mod:`batcher.shm`).
+
+* :class:`SystemRegion`: ``byte_size`` bytes at ``offset`` of the POSIX shared-memory segment ``key``
+  (``shm_open(key, O_RDWR)``, as Triton opens it), mapped read/write with ``mmap``. Reads are zero-copy numpy
+  views of the mapping; while any view exists, ``mmap`` refuses to close (its buffer-export rule) and the mapping
+  is unmapped only when the last view is gone, so no view can outlive its memory.
+* :class:`CudaRegion`: ``byte_size`` bytes of another process's device memory opened from its CUDA IPC handle
+  (``cudaIpcOpenMemHandle``, :class:`engines.cuda.IpcMemory`). Reads copy device-to-host and writes host-to-device
+  through a :class:`CudaStaging` buffer of its device; both block (call them off the event loop).
+
+Sizes and offsets are bytes. Every client mistake raises :class:`~batcher.errors.InvalidInput` (400).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from engines.cuda import CudaError, IpcMemory, PinnedBuffer, Stream, memcpy_async, require_device, set_device
+from engines.datatypes import NUMPY_DTYPES
+
+from .codec import decode_bytes_elements, encode_bytes_elements
+from .errors import InvalidInput
+from .protocol import ShmRef
+
+try:  # the call multiprocessing.shared_memory makes; that class would also hand the client's segment to the
+    from _posixshmem import shm_open  # resource tracker, which unlinks it when this process exits (Python < 3.13)
+except ImportError:  # pragma: no cover - not a POSIX system
+    shm_open = None
+
+#: Bytes of pinned host memory per device through which CUDA regions are read and written, in chunks of this size.
+STAGING_BYTES = 8 << 20
+
+
+def tensor_bytes(arr: np.ndarray) -> np.ndarray:
+    """An output's bytes as it is laid out in shared memory (row-major; BYTES: 4-byte little-endian length before
+    each element, as the binary extension and tritonclient's ``get_contents_as_numpy`` read them), ``uint8``."""
+    if arr.dtype == object:
+        return np.frombuffer(encode_bytes_elements(arr), np.uint8)
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def tensor_from_bytes(raw: np.ndarray, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """An input of ``datatype`` and ``shape`` over ``raw`` (``uint8``, exactly its bytes): a view, except BYTES
+    (parsed into an object array) and unaligned data (copied).
+
+    Raises:
+        InvalidInput: BYTES elements that do not fill ``raw`` exactly, BOOL bytes other than 0 and 1.
+    """
+    if datatype == "BYTES":
+        return decode_bytes_elements(raw, int(np.prod(shape)), where).reshape(shape)
+    arr = raw.view(NUMPY_DTYPES[datatype]).reshape(shape)
+    if datatype == "BOOL" and raw.size and raw.max() > 1:
+        raise InvalidInput(f"{where}: BOOL bytes must be 0 or 1")
+    return arr if arr.flags.aligned else arr.copy()
+
+
+class Region:
+    """A registered region: its name, kind, size and the requests holding it (:mod:`batcher.shm` counts them)."""
+
+    kind = ""
+    #: reads and writes block (CUDA copies): run them off the event loop.
+    blocking = False
+
+    def __init__(self, name: str, byte_size: int) -> None:
+        self.name = name
+        self.byte_size = byte_size
+        self.users = 0  # requests holding it
+        self.retired = False  # unregistered: closed when the last user is done
+
+    def check(self, ref: ShmRef, where: str) -> None:
+        """Raises InvalidInput unless ``ref`` lies inside this region."""
+        if ref.offset + ref.byte_size > self.byte_size:
+            raise InvalidInput(
+                f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} runs past the "
+                f"end of shared memory region '{self.name}' ({self.byte_size} bytes)")
+
+    def read(self, ref: ShmRef, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+        """The input tensor at ``ref`` (checked against the region already)."""
+        raise NotImplementedError
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Copy ``data`` (``uint8``) to ``offset`` (checked against the region already)."""
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        """The region's entry in Triton's status list."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Unmap or close the region. Idempotent."""
+        raise NotImplementedError
+
+
+class SystemRegion(Region):
+    """``byte_size`` bytes at ``offset`` of the POSIX shared-memory segment ``key``, mapped read/write.
+
+    Raises (constructor):
+        InvalidInput: no segment has that key, it cannot be opened, it is smaller than ``offset + byte_size``,
+            or ``byte_size`` is 0.
+    """
+
+    kind = "system"
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        super().__init__(name, byte_size)
+        self.key, self.offset = key, offset
+        what = f"system shared memory region '{name}'"
+        if byte_size <= 0:
+            raise InvalidInput(f"{what}: byte_size must be at least 1, got {byte_size}")
+        if not key.strip("/") or "\0" in key or shm_open is None:
+            raise InvalidInput(f"{what}: invalid key {key!r}")
+        try:
+            fd = shm_open(key, os.O_RDWR, 0o600)
+        except FileNotFoundError:
+            raise InvalidInput(f"{what}: no shared memory segment has the key {key!r}") from None
+        except OSError as exc:
+            raise InvalidInput(f"{what}: cannot open key {key!r}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise InvalidInput(f"{what}: offset {offset} + byte_size {byte_size} runs past the end of segment "
+                                   f"{key!r} ({size} bytes)")
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap's offset must be page-aligned
+            self._map: mmap.mmap | None = mmap.mmap(fd, offset + byte_size - start, offset=start)
+            self._base = offset - start
+        except OSError as exc:
+            raise InvalidInput(f"{what}: cannot map key {key!r}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def _view(self, offset: int, nbytes: int) -> np.ndarray:
+        if self._map is None:
+            raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")
+        return np.frombuffer(self._map, np.uint8, nbytes, self._base + offset)
+
+    def read(self, ref: ShmRef, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+        arr = tensor_from_bytes(self._view(ref.offset, ref.byte_size), datatype, shape, where)
+        arr.flags.writeable = False  # a view of the client's memory: the engine reads it, nobody writes it
+        return arr
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        self._view(offset, data.nbytes)[:] = data
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    def close(self) -> None:
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # views of it are still alive (a batch still running): the last one unmaps it
+                pass
+
+
+class CudaStaging:
+    """One stream and one pinned buffer of :data:`STAGING_BYTES` for the CUDA regions of one device; one copy at a
+    time (a lock), in chunks. Created lazily on first use; :meth:`close` frees it."""
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+        self._lock = threading.Lock()
+        self._stream: Stream | None = None
+        self._pinned: PinnedBuffer | None = None
+
+    def _copy(self, device_ptr: int, host: np.ndarray, direction: str) -> None:
+        """Copy between ``host`` (``uint8``, C-contiguous) and ``device_ptr``; blocks until done.
+
+        Raises:
+            CudaError: CUDA refused (e.g. an address past the end of the exporter's allocation).
+        """
+        with self._lock:
+            set_device(self.device_id)  # current device is per thread
+            if self._stream is None:
+                self._stream = Stream()
+            if self._pinned is None:
+                self._pinned = PinnedBuffer(STAGING_BYTES)
+            stage = self._pinned.array
+            for start in range(0, host.size, STAGING_BYTES):
+                n = min(STAGING_BYTES, host.size - start)
+                if direction == "H2D":
+                    stage[:n] = host[start:start + n]
+                    memcpy_async(device_ptr + start, self._pinned.ptr, n, "H2D", self._stream, "shared memory")
+                    self._stream.synchronize()
+                else:
+                    memcpy_async(self._pinned.ptr, device_ptr + start, n, "D2H", self._stream, "shared memory")
+                    self._stream.synchronize()
+                    host[start:start + n] = stage[:n]
+
+    def to_host(self, device_ptr: int, nbytes: int) -> np.ndarray:
+        """A new ``uint8`` array holding ``nbytes`` bytes read from ``device_ptr``."""
+        out = np.empty(nbytes, np.uint8)
+        self._copy(device_ptr, out, "D2H")
+        return out
+
+    def to_device(self, device_ptr: int, data: np.ndarray) -> None:
+        """Write ``data`` (``uint8``) to ``device_ptr``."""
+        self._copy(device_ptr, np.ascontiguousarray(data), "H2D")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pinned is not None:
+                self._pinned.free()
+            if self._stream is not None:
+                self._stream.destroy()
+            self._pinned = self._stream = None
+
+
+class CudaRegion(Region):
+    """``byte_size`` bytes of another process's device memory on ``device_id``, opened from its IPC handle. CUDA
+    does not report the exported allocation's size: a ``byte_size`` larger than it makes the copies fail (400).
+
+    Raises (constructor, which blocks):
+        InvalidInput: no usable CUDA device ``device_id``, or CUDA refused the handle (not 64 bytes, exporter gone,
+            a handle of this same process).
+    """
+
+    kind = "cuda"
+    blocking = True
+
+    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int, staging: CudaStaging) -> None:
+        super().__init__(name, byte_size)
+        self.device_id = device_id
+        self._staging = staging
+        what = f"CUDA shared memory region '{name}'"
+        if byte_size <= 0:
+            raise InvalidInput(f"{what}: byte_size must be at least 1, got {byte_size}")
+        try:
+            require_device(device_id)
+            self._memory = IpcMemory(raw_handle, byte_size)
+        except CudaError as exc:
+            raise InvalidInput(f"{what} cannot be registered: {exc}") from None
+
+    def _ptr(self, offset: int) -> int:
+        if not self._memory.ptr:
+            raise InvalidInput(f"CUDA shared memory region '{self.name}' was unregistered")
+        return self._memory.ptr + offset
+
+    def read(self, ref: ShmRef, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+        try:
+            raw = self._staging.to_host(self._ptr(ref.offset), ref.byte_size)
+        except CudaError as exc:
+            raise InvalidInput(f"{where}: cannot read CUDA shared memory region '{self.name}': {exc}") from None
+        return tensor_from_bytes(raw, datatype, shape, where)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        try:
+            self._staging.to_device(self._ptr(offset), data)
+        except CudaError as exc:
+            raise InvalidInput(f"cannot write CUDA shared memory region '{self.name}': {exc}") from None
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def close(self) -> None:
+        self._memory.close()

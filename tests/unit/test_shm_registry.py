@@ -1,0 +1,383 @@
+"""Triton's shared-memory extensions in-process: the registry over real POSIX shared-memory segments (registration
+rules, bounds, reference counts, unmapping checked in /proc/self/maps), CUDA regions on the stand-in runtime
+(tests/fake_cuda.py), and the data plane reading inputs from and writing outputs to regions."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import threading
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+import pytest
+from fakes import FakeLoader, SleepExecutor
+from fake_cuda import FakeCuda
+
+import batcher.shm_regions as shm_regions
+import engines.cuda as cuda
+from batcher.config import SharedMemoryConfig, parse_config
+from batcher.dataplane import DataPlane
+from batcher.errors import InvalidInput, NotFound, Unavailable
+from batcher.metrics import Metrics
+from batcher.protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef
+from batcher.repository import ModelRepository
+from batcher.shm import SharedMemoryRegistry
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def segment():
+    """Factory: a new POSIX segment of ``size`` bytes (this process maps it once), unlinked at the end."""
+    made: list[SharedMemory] = []
+
+    def make(size: int) -> SharedMemory:
+        seg = SharedMemory(f"trtb-unit-{os.getpid()}-{next(_names)}", create=True, size=size)
+        made.append(seg)
+        return seg
+
+    yield make
+    for seg in made:
+        seg.close()
+        seg.unlink()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trtb-unit-{os.getpid()}-")]
+
+
+def mappings(seg: SharedMemory) -> int:
+    """How many mappings of ``seg`` this process has (the test's own is one)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(f"/dev/shm/{seg.name}"))
+
+
+def put(seg: SharedMemory, offset: int, arr: np.ndarray) -> None:
+    seg.buf[offset:offset + arr.nbytes] = arr.tobytes()
+
+
+def get(seg: SharedMemory, offset: int, dtype, shape) -> np.ndarray:
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(bytes(seg.buf[offset:offset + n]), dtype).reshape(shape)
+
+
+def registry(system: bool = True, cuda_on: bool = False) -> SharedMemoryRegistry:
+    return SharedMemoryRegistry(SharedMemoryConfig(system=system, cuda=cuda_on))
+
+
+def request(inputs: dict, outputs: list[RequestedOutput] | None = None) -> InferRequest:
+    return InferRequest(inputs, outputs=outputs)
+
+
+# =========================================================================== system regions
+
+
+async def test_register_status_and_a_zero_copy_read_at_an_unaligned_offset(segment):
+    seg = segment(10_000)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=100, byte_size=4096)  # not page-aligned
+    assert reg.status("system") == [{"name": "r", "key": seg.name, "offset": 100, "byte_size": 4096}]
+    assert reg.status("system", "r") == reg.status("system")
+    assert mappings(seg) == 2
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    put(seg, 100 + 48, x)
+    async with reg.hold(request({"x": ShmInput("FP32", (3, 4), ShmRef("r", 48, 48))})) as held:
+        got = (await held.inputs())["x"]
+        np.testing.assert_array_equal(got, x)
+        assert not got.flags.writeable
+        put(seg, 148, np.full(1, 99, np.float32))  # the client writes: the input sees it, so it is a view
+        assert got[0, 0] == 99
+    await reg.unregister("system", "r")
+    assert reg.status("system") == [] and mappings(seg) == 2  # a view is alive: mmap cannot go under it
+    del got
+    assert mappings(seg) == 1  # the last view took the mapping with it
+
+
+async def test_registration_errors_name_the_region_key_and_sizes(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=4096)
+    cases = [
+        (dict(key=seg.name, offset=0, byte_size=16), "r", "shared memory region 'r' is already registered"),
+        (dict(key="/trtb-no-such-key", offset=0, byte_size=16), "a", "no shared memory segment has the key"),
+        (dict(key=seg.name, offset=4000, byte_size=100), "b",
+         f"offset 4000 + byte_size 100 runs past the end of segment '{seg.name}' (4096 bytes)"),
+        (dict(key=seg.name, offset=0, byte_size=0), "c", "byte_size must be at least 1, got 0"),
+        (dict(key="///", offset=0, byte_size=8), "d", "invalid key '///'"),
+        (dict(key="a/b", offset=0, byte_size=8), "e", "cannot open key 'a/b'"),
+    ]
+    for params, name, message in cases:
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            await reg.register("system", name, **params)
+    assert [r["name"] for r in reg.status("system")] == ["r"] and mappings(seg) == 2
+    with pytest.raises(NotFound, match="unable to find system shared memory region 'zz'"):
+        reg.status("system", "zz")
+    await reg.close()
+    assert mappings(seg) == 1
+
+
+async def test_disabled_extensions_answer_not_found_and_requests_naming_regions_400():
+    reg = registry(system=False, cuda_on=False)
+    for call in (reg.register("system", "r", key="/k", offset=0, byte_size=8), reg.unregister("cuda", "r")):
+        with pytest.raises(NotFound, match=r"shared memory is disabled \(server.shared_memory.(system|cuda): false\)"):
+            await call
+    with pytest.raises(NotFound, match="cuda shared memory is disabled"):
+        reg.status("cuda")
+    with pytest.raises(InvalidInput, match=r"region 'r' is not registered \(shared memory is disabled"):
+        reg.hold(request({"x": ShmInput("FP32", (1,), ShmRef("r", 0, 4))}))
+
+
+async def test_tensors_outside_their_region_are_400_before_anything_is_held(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=64)
+    bad_input = request({"x": ShmInput("FP32", (4,), ShmRef("r", 56, 16))})
+    with pytest.raises(InvalidInput, match="input 'x': shared_memory_offset 56 \\+ shared_memory_byte_size 16 runs "
+                                           "past the end of shared memory region 'r' \\(64 bytes\\)"):
+        reg.hold(bad_input)
+    bad_output = request({"x": np.zeros(1, np.float32)}, [RequestedOutput("y", None, ShmRef("r", 65, 0))])
+    with pytest.raises(InvalidInput, match="output 'y': shared_memory_offset 65"):
+        reg.hold(bad_output)
+    with pytest.raises(InvalidInput, match="output 'y': shared memory region 'nope' is not registered$"):
+        reg.hold(request({}, [RequestedOutput("y", None, ShmRef("nope", 0, 4))]))
+    await reg.unregister("system", "r")  # nothing held it: unmapped at once
+    assert mappings(seg) == 1
+
+
+async def test_an_output_larger_than_its_place_is_400(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=4096)
+    async with reg.hold(request({}, [RequestedOutput("y", None, ShmRef("r", 0, 12))])) as held:
+        with pytest.raises(InvalidInput, match="output 'y' needs 16 bytes, shared_memory_byte_size of region 'r' is 12"):
+            await held.write({"y": np.ones(4, np.float32)})
+        await held.write({"y": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(get(seg, 0, np.float32, (3,)), np.ones(3))
+    await reg.close()
+
+
+async def test_bytes_tensors_in_shared_memory_round_trip(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=4096)
+    raw = b"\x02\x00\x00\x00hi\x03\x00\x00\x00abc"
+    seg.buf[0:len(raw)] = raw
+    req = request({"s": ShmInput("BYTES", (2,), ShmRef("r", 0, len(raw)))}, [RequestedOutput("t", None, ShmRef("r", 100, 64))])
+    async with reg.hold(req) as held:
+        assert list((await held.inputs())["s"]) == [b"hi", b"abc"]
+        await held.write({"t": np.array([b"xyz"], dtype=object)})
+    assert bytes(seg.buf[100:107]) == b"\x03\x00\x00\x00xyz"
+    bad = request({"s": ShmInput("BYTES", (3,), ShmRef("r", 0, len(raw)))})
+    async with reg.hold(bad) as held:
+        with pytest.raises(InvalidInput, match="input 's': shape declares 3 BYTES elements, binary data holds 2"):
+            await held.inputs()
+    await reg.close()
+
+
+async def test_unregister_while_held_answers_at_once_and_unmaps_when_the_last_request_is_done(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=4096)
+    first = reg.hold(request({}, [RequestedOutput("y", None, ShmRef("r", 0, 16))]))
+    second = reg.hold(request({}, [RequestedOutput("y", None, ShmRef("r", 16, 16))]))
+    await reg.unregister("system")  # all regions of the kind
+    assert reg.status("system") == [] and mappings(seg) == 2  # gone from the namespace, still mapped
+    with pytest.raises(InvalidInput, match="region 'r' is not registered"):
+        reg.hold(request({}, [RequestedOutput("y", None, ShmRef("r", 0, 16))]))
+    await reg.register("system", "r", key=seg.name, offset=2048, byte_size=64)  # the name is free again
+    assert mappings(seg) == 3
+    async with first as held:
+        await held.write({"y": np.full(4, 7, np.float32)})
+    assert mappings(seg) == 3  # the second request still holds the old region
+    async with second as held:
+        await held.write({"y": np.full(4, 8, np.float32)})
+    assert mappings(seg) == 2  # the old region is unmapped, the new one stays
+    np.testing.assert_array_equal(get(seg, 0, np.float32, (8,)), [7] * 4 + [8] * 4)
+    await reg.unregister("system", "r")
+    await reg.unregister("system", "never-registered")  # not an error (Triton)
+    assert mappings(seg) == 1
+
+
+async def test_close_unmaps_every_region_held_or_not_and_refuses_new_ones(segment):
+    seg = segment(4096)
+    reg = registry()
+    await reg.register("system", "a", key=seg.name, offset=0, byte_size=64)
+    await reg.register("system", "b", key=seg.name, offset=64, byte_size=64)
+    held = reg.hold(request({}, [RequestedOutput("y", None, ShmRef("a", 0, 4))]))
+    await reg.unregister("system", "a")
+    assert mappings(seg) == 3
+    await reg.close()
+    assert mappings(seg) == 1
+    await held.__aexit__(None, None, None)  # a release after close is harmless
+    with pytest.raises(Unavailable, match="shutting down"):
+        await reg.register("system", "c", key=seg.name, offset=0, byte_size=64)
+
+
+# =========================================================================== CUDA regions (stand-in runtime)
+
+
+@pytest.fixture
+def fake():
+    f = FakeCuda()
+    with cuda.use_runtime(f.cudart):
+        yield f
+
+
+def exported(fake: FakeCuda, nbytes: int) -> tuple[int, bytes]:
+    """Device memory of "another process" and the 64 bytes of its IPC handle."""
+    ptr = fake.gpu.alloc(nbytes, "cudaMalloc")
+    return ptr, fake.gpu.export_ipc(ptr)
+
+
+async def test_cuda_region_reads_inputs_and_writes_outputs_in_chunks(fake, monkeypatch):
+    monkeypatch.setattr(shm_regions, "STAGING_BYTES", 64)  # several chunks per tensor
+    ptr, handle = exported(fake, 4096)
+    x = np.arange(100, dtype=np.float32)
+    fake.gpu.write(ptr + 256, x.tobytes())
+    reg = registry(system=False, cuda_on=True)
+    await reg.register("cuda", "g", raw_handle=handle, device_id=0, byte_size=4096)
+    assert reg.status("cuda") == [{"name": "g", "device_id": 0, "byte_size": 4096}]
+    assert fake.gpu.counts()["ipc_open"] == 1
+    req = request({"x": ShmInput("FP32", (100,), ShmRef("g", 256, 400))}, [RequestedOutput("y", None, ShmRef("g", 1024, 400))])
+    async with reg.hold(req) as held:
+        got = (await held.inputs())["x"]
+        np.testing.assert_array_equal(got, x)
+        await held.write({"y": x * 2})
+    assert np.frombuffer(fake.gpu.read(ptr + 1024, 400), np.float32).tolist() == (x * 2).tolist()
+    await reg.unregister("cuda", "g")
+    await reg.close()
+    counts = fake.gpu.counts()
+    assert "ipc_open" not in counts and counts["pinned"] == 0 and counts["streams"] == 0
+
+
+async def test_cuda_registration_errors_are_400(fake):
+    _, handle = exported(fake, 256)
+    reg = registry(system=False, cuda_on=True)
+    with pytest.raises(InvalidInput, match="CUDA shared memory region 'g' cannot be registered: CUDA device 3 does not "
+                                           "exist"):
+        await reg.register("cuda", "g", raw_handle=handle, device_id=3, byte_size=256)
+    with pytest.raises(InvalidInput, match="cannot be registered: cudaIpcOpenMemHandle failed: "
+                                           "cudaErrorInvalidResourceHandle"):
+        await reg.register("cuda", "g", raw_handle=bytes(64), device_id=0, byte_size=256)
+    with pytest.raises(NotFound, match="system shared memory is disabled"):
+        await reg.register("system", "s", key="/k", offset=0, byte_size=8)
+    await reg.close()
+    assert "ipc_open" not in fake.gpu.counts()
+
+
+async def test_a_cancelled_cuda_copy_keeps_its_region_until_the_copy_ends(fake, monkeypatch):
+    ptr, handle = exported(fake, 256)
+    reg = registry(system=False, cuda_on=True)
+    await reg.register("cuda", "g", raw_handle=handle, device_id=0, byte_size=256)
+    started, proceed = threading.Event(), threading.Event()
+    real_read = shm_regions.CudaRegion.read
+
+    def slow_read(self, *args):
+        started.set()
+        proceed.wait(10)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(shm_regions.CudaRegion, "read", slow_read)
+
+    async def infer():
+        async with reg.hold(request({"x": ShmInput("FP32", (4,), ShmRef("g", 0, 16))})) as held:
+            await held.inputs()
+
+    task = asyncio.create_task(infer())
+    await asyncio.to_thread(started.wait, 10)
+    await reg.unregister("cuda", "g")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fake.gpu.counts()["ipc_open"] == 1  # the copy still runs: the handle stays open
+    proceed.set()
+    for _ in range(1000):  # the copy's thread finishes; its done callback releases the region on the loop
+        if "ipc_open" not in fake.gpu.counts():
+            break
+        await asyncio.sleep(0.01)
+    assert "ipc_open" not in fake.gpu.counts()
+    await reg.close()
+
+
+# =========================================================================== the data plane
+
+
+async def plane(**shared_memory) -> DataPlane:
+    config = parse_config({"server": {"shared_memory": shared_memory},
+                           "models": [{"name": "m", "path": "unused.onnx", "max_batch_size": 8}]})
+    metrics = Metrics()
+    dp = DataPlane(config, metrics, ModelRepository(config, metrics, loader=FakeLoader()),
+                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=0.010))
+    await dp.start()
+    return dp
+
+
+async def plane_with_region(segment) -> tuple[SharedMemory, DataPlane]:
+    """A started data plane with system shared memory on, and region ``io``: all 4096 bytes of a new segment."""
+    seg = segment(4096)
+    dp = await plane(system=True)
+    await dp.shm_register("system", "io", key=seg.name, offset=0, byte_size=4096)
+    return seg, dp
+
+
+def counted(dp: DataPlane) -> dict[str, float]:
+    sample = dp.metrics.registry.get_sample_value
+    labels = {"model": "m", "version": "1"}
+    return {"success": sample("batcher_request_success_total", labels) or 0.0,
+            "invalid": sample("batcher_request_failure_total", {**labels, "reason": "invalid"}) or 0.0}
+
+
+async def passthrough(response: InferResponse) -> InferResponse:
+    return response
+
+
+def reader(req: InferRequest):
+    async def read() -> InferRequest:
+        return req
+
+    return read
+
+
+@pytest.mark.looptime
+async def test_data_plane_reads_inputs_from_and_writes_outputs_to_regions(segment):
+    seg, dp = await plane_with_region(segment)
+    assert dp.shm_status("system") == [{"name": "io", "key": seg.name, "offset": 0, "byte_size": 4096}]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    put(seg, 0, x)
+    req = request({"x": ShmInput("FP32", (2, 4), ShmRef("io", 0, 32))}, [RequestedOutput("y", None, ShmRef("io", 64, 32))])
+    loop = asyncio.get_running_loop()
+    resp = await dp.infer("m", None, loop.time(), reader(req), passthrough)
+    np.testing.assert_array_equal(get(seg, 64, np.float32, (2, 4)), x * 2)
+    assert resp.request.outputs[0].shm == ShmRef("io", 64, 32)
+    small = request({"x": ShmInput("FP32", (2, 4), ShmRef("io", 0, 32))}, [RequestedOutput("y", None, ShmRef("io", 64, 16))])
+    with pytest.raises(InvalidInput, match="output 'y' needs 32 bytes, shared_memory_byte_size of region 'io' is 16"):
+        await dp.infer("m", None, loop.time(), reader(small), passthrough)
+    assert counted(dp) == {"success": 1.0, "invalid": 1.0}
+    await dp.shm_unregister("system", "io")
+    assert mappings(seg) == 1
+    await dp.close()
+
+
+@pytest.mark.looptime
+async def test_data_plane_unregister_during_a_request_waits_for_it(segment):
+    seg, dp = await plane_with_region(segment)
+    put(seg, 0, np.ones((1, 4), np.float32))
+    req = request({"x": ShmInput("FP32", (1, 4), ShmRef("io", 0, 16))}, [RequestedOutput("y", None, ShmRef("io", 16, 16))])
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(dp.infer("m", None, loop.time(), reader(req), passthrough))
+    await asyncio.sleep(0.005)  # its batch executes for 10 ms (SleepExecutor)
+    assert not task.done() and dp.repository.slot("m").runner.queue_depth == 0
+    await dp.shm_unregister("system", "io")
+    assert dp.shm_status("system") == [] and mappings(seg) == 2
+    await task
+    np.testing.assert_array_equal(get(seg, 16, np.float32, (1, 4)), np.full((1, 4), 2.0))
+    assert mappings(seg) == 1 and counted(dp)["success"] == 1
+    await dp.close()
+
+
+@pytest.mark.looptime
+async def test_data_plane_close_unmaps_registered_regions(segment):
+    seg, dp = await plane_with_region(segment)
+    assert mappings(seg) == 2
+    await dp.close()
+    assert mappings(seg) == 1
