@@ -171,12 +171,14 @@ def window_wait(now: float, first_arrival: float, delay_s: float, earliest_deadl
 
     The window opens at the batch's first request (Triton's ``max_queue_delay_microseconds``, after Ray Serve's
     ``batch_wait_timeout_s``: the wait starts at the first request, not at the call); it closes early when the
-    batch's earliest deadline needs the time left to execute the batch (``batch_seconds``, estimated).
+    batch's earliest deadline needs the time left to execute the batch (``batch_seconds``, estimated). A wait
+    under one microsecond (the window's unit) is 0: float rounding of ``arrival + delay - now`` would otherwise
+    leave waits of ~1e-18 s that a clock cannot advance by.
     """
     wait = first_arrival + delay_s - now
     if earliest_deadline is not None and batch_seconds is not None:
         wait = min(wait, earliest_deadline - now - batch_seconds)
-    return wait
+    return wait if wait >= 1e-6 else 0.0
 
 
 def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:

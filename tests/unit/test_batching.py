@@ -111,3 +111,11 @@ def test_priority_levels_then_the_starvation_bound():
     assert plan_batch([low_old, high_new], 1, now=1.0, starve_after_s=5.0)[0] == [high_new]
     # waited 1 s >= the 0.5 s bound: promoted above every level
     assert plan_batch([low_old, high_new], 1, now=1.0, starve_after_s=0.5)[0] == [low_old]
+
+
+def test_the_window_rounds_sub_microsecond_waits_to_zero():
+    from batcher.batching import window_wait
+
+    assert window_wait(0.1 + 0.2, 0.1, 0.2) == 0.0  # 0.1 + 0.2 - 0.30000000000000004 is not exactly 0
+    assert window_wait(1.0, 1.0, 0.002) == 0.002
+    assert window_wait(1.0, 1.0, 0.002, earliest_deadline=1.0015, batch_seconds=0.001) == pytest.approx(0.0005)
