@@ -117,5 +117,5 @@ def test_the_window_rounds_sub_microsecond_waits_to_zero():
     from batcher.batching import window_wait
 
     assert window_wait(0.1 + 0.2, 0.1, 0.2) == 0.0  # 0.1 + 0.2 - 0.30000000000000004 is not exactly 0
-    assert window_wait(1.0, 1.0, 0.002) == 0.002
+    assert window_wait(1.0, 1.0, 0.002) == pytest.approx(0.002)
     assert window_wait(1.0, 1.0, 0.002, earliest_deadline=1.0015, batch_seconds=0.001) == pytest.approx(0.0005)
