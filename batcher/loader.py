@@ -54,9 +54,9 @@ class Loaded:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory of the contexts (:attr:`ExecutionContext.device_nbytes`: sessions, CUDA graphs and
+        """Device memory of the engine and its contexts (``device_nbytes``: weights, sessions, CUDA graphs and
         workspaces), bytes; 0 on CPU."""
-        return sum(c.device_nbytes for c in self.contexts)
+        return self.engine.device_nbytes + sum(c.device_nbytes for c in self.contexts)
 
     def release(self) -> None:
         """Release the contexts, then the engine (idempotent)."""

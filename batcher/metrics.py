@@ -99,8 +99,8 @@ class Metrics:
         self.model_memory = Gauge(
             "batcher_model_memory_bytes",
             "Memory of a loaded model: kind=budgeted (counted against the budget), footprint (engine + contexts as "
-            "the backend reports), measured (growth measured at load), device (GPU memory of its contexts, CUDA "
-            "graphs and workspaces included)", (*labels, "kind"), registry=r,
+            "the backend reports), measured (growth measured at load), device (GPU memory of its engine and "
+            "contexts, CUDA graphs and workspaces included)", (*labels, "kind"), registry=r,
         )
         self.memory_used = Gauge("batcher_memory_used_bytes", "Memory counted against the budget by loaded models",
                                  registry=r)

@@ -6,8 +6,8 @@
   (:mod:`batcher.lru` says which). A model with requests in flight, queued or waiting for its load is pinned.
 
 What a model counts against the budget is the seed's formula, engine + contexts, as measured while it first
-loaded (resident memory on CPU; on CUDA device memory, at least its contexts' ``device_nbytes`` with their CUDA
-graphs and workspaces; at least its weights once per instance); before its first
+loaded (resident memory on CPU; on CUDA device memory, at least the ``device_nbytes`` of its engine and contexts,
+CUDA graphs and workspaces included; at least its weights once per instance); before its first
 load ``(1 + 2 x instances) x`` its file size plus 32 MiB, or the config's ``memory_mb``. After each load the
 measured figure replaces the estimate and the budget is enforced again.
 
@@ -67,7 +67,7 @@ class ModelSlot:
         self.task: asyncio.Future | None = None  # the load or unload in progress
         self.measured_bytes: int | None = None  # growth measured at the first load (at least the weights)
         self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
-        self.device_bytes = 0  # device memory of the loaded contexts (graphs, workspaces included); 0 on CPU
+        self.device_bytes = 0  # device memory of the loaded engine and contexts (graphs, workspaces); 0 on CPU
         self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
 
     @property
@@ -347,7 +347,7 @@ class ModelRepository:
             if s.measured_bytes is not None:
                 entry["measured_bytes"] = s.measured_bytes
                 entry["footprint_bytes"] = s.footprint_bytes
-            if s.device_bytes:  # GPU contexts: their device memory, CUDA graphs and workspaces included
+            if s.device_bytes:  # on GPU: engine and contexts' device memory, CUDA graphs and workspaces included
                 entry["device_bytes"] = s.device_bytes
             out.append(entry)
         return out

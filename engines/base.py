@@ -101,22 +101,6 @@ class ExecutionContext(abc.ABC):
         return None
 
     @property
-    def batch_sizes(self) -> tuple[int, ...] | None:
-        """The batch sizes this context prepared executables for (e.g. one CUDA graph per size), ascending;
-        :meth:`execute` may then only be called with a first dimension in this tuple. None: any size."""
-        return None
-
-    def describe(self) -> dict:
-        """Small JSON-able facts about how this context executes, for metadata and statistics (e.g.
-        ``{"execution": "cuda_graphs", "batch_sizes": [1, 2, 4], "precision": "tf32"}``); ``{}`` by default."""
-        return {}
-
-    @property
-    def device_nbytes(self) -> int:
-        """Device (GPU) memory held by this context in bytes, CUDA graphs and workspaces included; 0 on CPU."""
-        return 0
-
-    @property
     @abc.abstractmethod
     def nbytes(self) -> int:
         """Memory held by this context in bytes, as measured or reported by the backend."""

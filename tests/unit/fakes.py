@@ -78,13 +78,18 @@ class FakeContext(ExecutionContext):
 class FakeEngine(Engine):
     backend = "fake"
 
-    def __init__(self, nbytes: int = 0, **context: Any) -> None:
+    def __init__(self, nbytes: int = 0, engine_device_nbytes: int = 0, **context: Any) -> None:
         """``context``: keyword arguments of every :class:`FakeContext` it creates."""
         self._inputs = (TensorSpec("x", "FP32", (-1, 4)),)
         self._outputs = (TensorSpec("y", "FP32", (-1, 4)),)
         self._nbytes = nbytes
+        self._device_nbytes = engine_device_nbytes
         self._context = context
         self.released = False
+
+    @property
+    def device_nbytes(self) -> int:
+        return self._device_nbytes
 
     @property
     def max_batch_size(self) -> int | None:
@@ -143,7 +148,8 @@ def rows(n: int, value: float = 1.0) -> dict[str, np.ndarray]:
 class FakeLoader:
     """``load_model`` without a model file: each model counts ``sizes_mb[name]`` MB; ``fail`` names models whose
     load raises ConfigError; ``loads`` records the names loaded, in order; ``context`` (keyword arguments of
-    :class:`FakeContext`) makes the contexts GPU-like, each model's contexts prepared for its allowed sizes."""
+    :class:`FakeContext`, and ``engine_device_nbytes``) makes the contexts GPU-like, each model's contexts prepared for
+    its allowed sizes."""
 
     def __init__(self, sizes_mb: dict[str, float] | None = None, fail: set[str] = frozenset(),
                  **context: Any) -> None:

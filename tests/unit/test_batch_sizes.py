@@ -284,8 +284,8 @@ async def test_config_shows_the_allowed_sizes_and_metadata_what_the_contexts_des
 
 @pytest.mark.looptime
 async def test_lru_on_gpu_counts_the_contexts_device_memory_and_exports_it():
-    # each context holds 45 MB of device memory (graphs and workspaces included); 10 MB of host growth measured
-    loader = FakeLoader({"a": 10, "b": 10}, device_nbytes=45 * MiB)
+    # the engine holds 20 MB of device memory, each context 35 MB (graphs and workspaces included); 10 MB measured
+    loader = FakeLoader({"a": 10, "b": 10}, engine_device_nbytes=20 * MiB, device_nbytes=35 * MiB)
     dp = await _plane(loader, [{"name": n, "instance_group": [{"count": 2, "kind": "KIND_GPU"}]} for n in "ab"],
                       load_strategy="lru", memory_budget_mb=150)
     repo = dp.repository
