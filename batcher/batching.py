@@ -12,6 +12,10 @@ Rules:
   arrival (:func:`urgency`); requests with the same key join in that order while they fit (a request that does not
   fit is skipped, not split, and leads a later batch). Waiting longer than a bound promotes a request above every
   priority level, so low priorities are never starved longer than that bound.
+* With allowed batch sizes (:mod:`batcher.batch_sizes`), when the queue holds more rows of the key than one batch
+  can take and the batch above would be padded, the batch is formed of exactly the allowed size it would be padded
+  to where whole requests can fill it (Triton's meaning of ``preferred_batch_size``): same execution, more real
+  rows, the rest in the next batch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .batch_sizes import padded_size
 
 
 def shape_key(inputs: dict[str, np.ndarray]) -> Hashable:
@@ -77,30 +83,68 @@ def urgency(p: Pending, now: float, starve_after_s: float | None = None) -> tupl
     return level, (p.deadline if p.deadline is not None else math.inf), p.arrival
 
 
+#: :func:`exact_fill` looks at this many of the most urgent requests of the batch's key at most.
+EXACT_FILL_CANDIDATES = 256
+
+
 def plan_batch(
-    queue: Iterable[Pending], max_batch_size: int, now: float = 0.0, starve_after_s: float | None = None
+    queue: Iterable[Pending], max_batch_size: int, now: float = 0.0, starve_after_s: float | None = None,
+    allowed: Sequence[int] | None = None,
 ) -> tuple[list[Pending], int]:
     """Choose the next batch from ``queue`` without changing it.
 
     The most urgent QUEUED request (:func:`urgency`: priority, then earliest deadline, then arrival) leads; other
-    QUEUED requests with its shape key join in urgency order while they fit within ``max_batch_size`` rows.
+    QUEUED requests with its shape key join in urgency order while they fit within ``max_batch_size`` rows. With
+    ``allowed`` sizes (ascending, the last ``max_batch_size``), when the key's queued rows exceed
+    ``max_batch_size`` and that batch's rows are not an allowed size, the batch is instead made of exactly the
+    allowed size it would be padded to, if whole requests (the leader among them) can fill it (:func:`exact_fill`).
 
     Returns:
         ``(batch, rows)``, the batch in urgency order; ``([], 0)`` when nothing is queued.
     """
     live = sorted((p for p in queue if p.state is State.QUEUED), key=lambda p: urgency(p, now, starve_after_s))
+    same = [p for p in live if p.key == live[0].key] if live else []
     batch: list[Pending] = []
     rows = 0
-    for p in live:
-        if p.key != live[0].key:
-            continue
+    for p in same:
         if rows + p.rows > max_batch_size:
             if rows == max_batch_size:
                 break
             continue
         batch.append(p)
         rows += p.rows
+    if allowed and rows not in allowed and sum(p.rows for p in same) > max_batch_size:
+        target = min(b for b in allowed if b >= rows)
+        exact = exact_fill(same[:EXACT_FILL_CANDIDATES], target)
+        if exact is not None:
+            return exact, target
     return batch, rows
+
+
+def exact_fill(candidates: Sequence[Pending], target: int) -> list[Pending] | None:
+    """Whole requests whose rows sum to exactly ``target``, ``candidates[0]`` (the leader) among them and the
+    others as early in ``candidates`` (urgency order) as possible; None when no such set exists.
+
+    Subset sum over row counts with integers as bit sets: ``reach[i]`` has bit ``s`` set when ``s`` rows can be
+    made of the leader and some of ``candidates[1..i]``; the scan stops at the first ``i`` that reaches
+    ``target``, and the walk back leaves out every request it can.
+    """
+    if not candidates or candidates[0].rows > target:
+        return None
+    mask = (1 << (target + 1)) - 1
+    reach = [1 << candidates[0].rows]
+    for p in candidates[1:]:
+        if reach[-1] >> target & 1:
+            break
+        reach.append((reach[-1] | reach[-1] << p.rows) & mask)
+    if not reach[-1] >> target & 1:
+        return None
+    chosen, s = [], target
+    for i in range(len(reach) - 1, 0, -1):
+        if not reach[i - 1] >> s & 1:  # s rows need candidates[i]
+            chosen.append(candidates[i])
+            s -= candidates[i].rows
+    return [candidates[0], *reversed(chosen)]
 
 
 def batch_is_full(rows: int, max_batch_size: int, preferred_batch_sizes: Sequence[int] = ()) -> bool:
@@ -127,12 +171,15 @@ class BatchTimes:
     * below the smallest measured size ``m``: ``t(m) * n / m`` (the fixed cost is not assumed).
     """
 
-    def __init__(self, alpha: float = 0.2) -> None:
+    def __init__(self, alpha: float = 0.2, allowed: Sequence[int] | None = None) -> None:
+        """``allowed``: the allowed batch sizes; a batch of ``n`` rows then runs (and is estimated) at
+        :func:`~batcher.batch_sizes.padded_size` rows."""
         self.alpha = alpha
+        self.allowed = tuple(allowed) if allowed else None
         self.by_size: dict[int, float] = {}
 
     def record(self, rows: int, seconds: float) -> None:
-        """One executed batch of ``rows`` rows took ``seconds``."""
+        """One executed batch of ``rows`` rows (padding rows included) took ``seconds``."""
         old = self.by_size.get(rows)
         self.by_size[rows] = seconds if old is None else old + self.alpha * (seconds - old)
 
@@ -142,6 +189,7 @@ class BatchTimes:
             return None
         if rows <= 0:
             return 0.0
+        rows = padded_size(rows, self.allowed)
         if rows in self.by_size:
             return self.by_size[rows]
         below = [n for n in self.by_size if n < rows]
@@ -221,29 +269,35 @@ def admission(now: float, deadline: float, rows: int, ahead_rows: int, times: Ba
 
 
 def stack_inputs(
-    batch: Sequence[Pending], buffer: Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None] | None = None
+    batch: Sequence[Pending], buffer: Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None] | None = None,
+    padded_rows: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Concatenate the batch's inputs along the batch dim.
 
     Args:
         buffer: optional ``(name, shape, dtype) -> array | None`` giving the array to stack into (a GPU
             context's pinned staging buffer, see ``ExecutionContext.host_buffer``), saving one copy.
+        padded_rows: the first dim of the result (an allowed batch size >= the batch's rows): the rows past the
+            requests' are zeros (empty strings for BYTES). Default: the requests' rows.
 
-    Without a buffer a lone request's inputs are passed through uncopied.
+    Without a buffer and padding a lone request's inputs are passed through uncopied.
     """
     out = {}
     rows = sum(p.rows for p in batch)
+    total = rows if padded_rows is None else padded_rows
     for name, first in batch[0].inputs.items():
+        shape = (total, *first.shape[1:])
         target = None
         if buffer is not None and first.dtype != object:
-            target = buffer(name, (rows, *first.shape[1:]), first.dtype)
-        if target is not None:
-            np.concatenate([p.inputs[name] for p in batch], axis=0, out=target)
-            out[name] = target
-        elif len(batch) == 1:
-            out[name] = first
-        else:
-            out[name] = np.concatenate([p.inputs[name] for p in batch], axis=0)
+            target = buffer(name, shape, first.dtype)
+        if target is None and total == rows:
+            out[name] = first if len(batch) == 1 else np.concatenate([p.inputs[name] for p in batch], axis=0)
+            continue
+        if target is None:
+            target = np.empty(shape, first.dtype)
+        np.concatenate([p.inputs[name] for p in batch], axis=0, out=target[:rows])
+        target[rows:] = b"" if first.dtype == object else 0
+        out[name] = target
     return out
 
 

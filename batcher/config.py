@@ -31,6 +31,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .batch_sizes import check_allowed_batch_sizes
 from .errors import ConfigError
 
 #: body limit default: a batch-32 224x224 FP32 request is 19.3 MB in binary and ~80-100 MB as JSON text.
@@ -218,6 +219,20 @@ class ModelConfig(_Strict):
     #: memory budget) or its queue holds fallback_queue_depth requests or more; responses name the model that ran.
     fallback: str | None = None
     fallback_queue_depth: int | None = Field(None, ge=1)
+    #: sizes every batch is padded up to (TF Serving's name), one prepared executable (CUDA graph) each on GPU:
+    #: ascending, 1..max_batch_size, with max_batch_size. Default (:mod:`batcher.batch_sizes`): on KIND_GPU the
+    #: powers of two below max_batch_size plus max_batch_size; on CPU none (no padding).
+    allowed_batch_sizes: list[int] | None = None
+    #: onnxruntime: fp32 (TF32 off), tf32, fp16 (model converted, fp32 inputs/outputs kept; tf32 and fp16 need
+    #: KIND_GPU). Default: tf32 on KIND_GPU (PyTorch's cuDNN and ONNX Runtime's default), fp32 on CPU.
+    precision: Literal["fp32", "tf32", "fp16"] | None = None
+    #: onnxruntime on KIND_GPU: each context's device arena limit (ONNX Runtime's gpu_mem_limit), MB; default none.
+    gpu_memory_limit_mb: float | None = Field(None, gt=0)
+    #: onnxruntime on KIND_GPU: how the arena grows (ONNX Runtime's names; default ORT's, kNextPowerOfTwo).
+    arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] | None = None
+    #: onnxruntime on KIND_GPU: graphs (one session per context, a CUDA graph per allowed size), sessions (one
+    #: session per allowed size), auto (graphs, falling back to sessions when capture fails; shown in metadata).
+    gpu_execution: Literal["graphs", "sessions", "auto"] = "auto"
     #: lru: the footprint to assume before the model's first load (MB); default (1 + 2 x instances) x file size + 32.
     memory_mb: float | None = Field(None, gt=0)
     #: which of this name's configured versions are served (Triton's version_policy): {latest: N}, "all", or
@@ -259,6 +274,14 @@ class ModelConfig(_Strict):
         return len(self.placements)
 
     @property
+    def effective_precision(self) -> str | None:
+        """``precision``, or its default: ``tf32`` on KIND_GPU, ``fp32`` on CPU; None for backend tensorrt (its
+        ``build.precision`` decides)."""
+        if self.backend != "onnxruntime":
+            return None
+        return self.precision or ("tf32" if self.device == "cuda" else "fp32")
+
+    @property
     def max_queue_size(self) -> int:
         return self.dynamic_batching.default_queue_policy.max_queue_size
 
@@ -292,10 +315,26 @@ class ModelConfig(_Strict):
             raise ValueError("fallback_queue_depth needs a fallback model")
         if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes must be >= 1, got {self.warmup_batch_sizes}")
+        if self.allowed_batch_sizes is not None and self.max_batch_size is not None:
+            check_allowed_batch_sizes(self.allowed_batch_sizes, self.max_batch_size)
+        self._gpu_options()
         names = [i.name for i in self.inputs]
         if len(names) != len(set(names)):
             raise ValueError(f"inputs name an input twice: {names}")
         return self
+
+    def _gpu_options(self) -> None:
+        """The ONNX Runtime CUDA options need backend onnxruntime on KIND_GPU (fp32 is fine anywhere)."""
+        if self.precision not in (None, "fp32") and self.backend == "onnxruntime" and self.device != "cuda":
+            raise ValueError(f"precision {self.precision} needs instance_group kind KIND_GPU; the CPU runs fp32")
+        if self.precision is not None and self.backend != "onnxruntime":
+            raise ValueError("precision applies to backend onnxruntime; for tensorrt set build.precision")
+        gpu_only = {"gpu_memory_limit_mb": self.gpu_memory_limit_mb is not None,
+                    "arena_extend_strategy": self.arena_extend_strategy is not None,
+                    "gpu_execution": self.gpu_execution != "auto"}
+        for key, set_ in gpu_only.items():
+            if set_ and (self.backend != "onnxruntime" or self.device != "cuda"):
+                raise ValueError(f"{key} applies to backend onnxruntime with instance_group kind KIND_GPU only")
 
 
 class SharedMemoryConfig(_Strict):

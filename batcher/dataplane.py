@@ -225,14 +225,20 @@ class DataPlane:
         return slot, slot.signature
 
     async def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
-        """KServe v2 model metadata: name, versions, platform, inputs and outputs with their served shapes."""
+        """KServe v2 model metadata: name, versions, platform, inputs and outputs with their served shapes; and
+        ``parameters`` (the Open Inference Protocol's optional field): ``allowed_batch_sizes`` (null: batches are
+        not padded) and ``contexts``, how each execution context executes (its ``describe()``, e.g. CUDA graphs or
+        one session per size, and the precision), in instance order."""
         slot, sig = await self.signature(model, version)
 
         def tensors(specs):
             return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
 
+        allowed = list(sig.allowed_batch_sizes) if sig.allowed_batch_sizes else None
+        contexts = [c.describe() for c in slot.loaded.contexts] if slot.loaded is not None else []
         return {"name": slot.name, "versions": self.repository.served_versions(slot.name),
-                "platform": PLATFORMS[slot.cfg.backend], "inputs": tensors(sig.inputs), "outputs": tensors(sig.outputs)}
+                "platform": PLATFORMS[slot.cfg.backend], "inputs": tensors(sig.inputs), "outputs": tensors(sig.outputs),
+                "parameters": {"allowed_batch_sizes": allowed, "contexts": contexts}}
 
     async def model_config(self, model: str, version: str | None = None) -> dict[str, Any]:
         """The model's configuration as Triton's model-config JSON (:mod:`batcher.triton_config`)."""

@@ -66,4 +66,5 @@ class LifecycleEvents:
             m.model_memory.labels(s.name, s.version, "budgeted").set(s.budget_bytes if loaded else 0)
             m.model_memory.labels(s.name, s.version, "footprint").set((s.footprint_bytes or 0) if loaded else 0)
             m.model_memory.labels(s.name, s.version, "measured").set((s.measured_bytes or 0) if loaded else 0)
+            m.model_memory.labels(s.name, s.version, "device").set(s.device_bytes if loaded else 0)
         m.memory_used.set(used_bytes)

@@ -1,9 +1,10 @@
 """Executors: the thread that owns one execution context, and what it does with one batch.
 
 :func:`execute_batch` runs in the context's own thread (never on the event loop): it drops requests that would
-finish after their deadline, stacks the rest (into the context's pinned staging buffer where it has one), runs
-the engine once and splits the outputs back into per-request views. It never raises: every request of the batch
-gets an outcome, outputs or a :class:`~batcher.errors.BatcherError`.
+finish after their deadline, stacks the rest (into the context's pinned staging buffer where it has one), padded
+with zero rows up to the smallest allowed batch size that holds them, runs the engine once, drops the padding rows
+of the outputs and splits the rest into per-request views. It never raises: every request of the batch gets an
+outcome, outputs or a :class:`~batcher.errors.BatcherError`.
 
 :class:`ThreadExecutor` is the production hand-off: one single-thread pool per context, so a context is used by
 one thread at a time as the engine contract requires. The scheduler only needs ``submit(fn, *args) -> awaitable``
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 from engines.base import EngineError, EngineUnavailable, ExecutionContext
 
+from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
 from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, Unavailable
 
@@ -32,16 +34,18 @@ class BatchResult:
     Attributes:
         outcomes: per request, in batch order: its outputs (dict of views) or the BatcherError to answer with.
         times: seconds spent stacking inputs, executing, splitting outputs (0.0 each when nothing ran).
-        rows: rows executed (requests dropped before execution excluded).
+        rows: the requests' rows executed (requests dropped before execution excluded).
+        padded_rows: zero rows added to reach an allowed batch size (executed, never answered).
     """
 
     outcomes: list[dict | BatcherError]
     times: tuple[float, float, float]
     rows: int
+    padded_rows: int = 0
 
 
 def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
-                  now: Callable[[], float] = time.monotonic) -> BatchResult:
+                  now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None) -> BatchResult:
     """Run one batch on ``ctx`` (blocking; call it from the context's thread).
 
     Args:
@@ -51,6 +55,8 @@ def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, b
             before the batch would finish is not run (its answer would be a 504 anyway), so the work goes to
             requests that can still make it.
         now: the clock deadlines are measured on (the event loop's, ``time.monotonic``).
+        allowed: the model's allowed batch sizes (ascending; None: no padding): the rows that run are padded with
+            zero rows up to the smallest allowed size that holds them, and those rows' outputs are dropped.
     """
     finish = now() + (batch_s or 0.0)
     results: dict[int, Any] = {}
@@ -62,15 +68,18 @@ def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, b
         else:
             live.append(p)
     rows = sum(p.rows for p in live)
+    pad = 0
     t0 = t1 = t2 = t3 = 0.0
     if live:
         t0 = time.perf_counter()
         try:
-            stacked = stack_inputs(live, ctx.host_buffer)
+            pad = padded_size(rows, allowed) - rows
+            stacked = stack_inputs(live, ctx.host_buffer, rows + pad)
             t1 = time.perf_counter()
             outputs = ctx.execute(stacked)
             t2 = time.perf_counter()
-            parts: list = split_outputs(outputs, [p.rows for p in live])
+            # the padding rows form a last share that nobody gets; the split checks every output has rows + pad
+            parts: list = split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)]
         except EngineUnavailable as exc:  # e.g. the worker process died with the batch; the next one restarts it
             parts = [Unavailable(f"model '{model}': {exc}", retry_after_s=1)] * len(live)
             t1 = t2 = t1 or time.perf_counter()
@@ -80,7 +89,7 @@ def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, b
         t3 = time.perf_counter()
         for p, part in zip(live, parts):
             results[id(p)] = part
-    return BatchResult([results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows)
+    return BatchResult([results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows, pad)
 
 
 class Executor(Protocol):

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,12 +21,15 @@ from engines.datatypes import NUMPY_DTYPES
 from engines.memory import rss_bytes
 from engines.zoo import ZooError, resolve
 
+from .batch_sizes import allowed_batch_sizes, padded_size
 from .config import ModelConfig
 from .errors import ConfigError
-from .signature import ModelSignature
+from .signature import DEFAULT_MAX_BATCH_SIZE, ModelSignature
 
 #: dynamic dims of warm-up inputs where the config gives no ``warmup_dims``.
 WARMUP_DIM = 32
+
+MiB = 1 << 20
 
 
 @dataclass
@@ -48,6 +52,12 @@ class Loaded:
         """The seed's formula from the backend's report: engine bytes + context bytes x instances."""
         return self.engine.nbytes + sum(c.nbytes for c in self.contexts)
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the engine and its contexts (``device_nbytes``: weights, sessions, CUDA graphs and
+        workspaces), bytes; 0 on CPU."""
+        return self.engine.device_nbytes + sum(c.device_nbytes for c in self.contexts)
+
     def release(self) -> None:
         """Release the contexts, then the engine (idempotent)."""
         _release(self.engine, self.contexts)
@@ -67,13 +77,49 @@ def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) ->
     return out
 
 
-def warmup_batch_sizes(cfg: ModelConfig, max_batch_size: int) -> list[int]:
-    """The config's ``warmup_batch_sizes`` (capped at ``max_batch_size``), else 1..max on CUDA and [1] on CPU."""
+def warmup_batch_sizes(cfg: ModelConfig, signature: ModelSignature) -> list[int]:
+    """The batch sizes each context runs once at load.
+
+    With allowed batch sizes in effect: every allowed size, or the config's ``warmup_batch_sizes`` each padded up
+    to an allowed size (a context may only run those). Without: the config's ``warmup_batch_sizes`` (capped at
+    ``max_batch_size``), else 1..max on CUDA and [1] on CPU.
+    """
+    top, allowed = signature.max_batch_size, signature.allowed_batch_sizes
     if cfg.warmup_batch_sizes is not None:
-        return sorted({min(b, max_batch_size) for b in cfg.warmup_batch_sizes})
+        return sorted({padded_size(min(b, top), allowed) for b in cfg.warmup_batch_sizes})
+    if allowed is not None:
+        return list(allowed)
     if cfg.device == "cuda":
-        return list(range(1, max_batch_size + 1))
+        return list(range(1, top + 1))
     return [1]
+
+
+def planned_batch_sizes(cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The allowed batch sizes as far as the config tells them before the engine is open (the engine prepares
+    its contexts for them): its max_batch_size, else ONNX Runtime's default or a TensorRT build's profile
+    maximum. None where the maximum comes from a plan file; the contexts then take any size."""
+    top = cfg.max_batch_size
+    if top is None and cfg.backend == "onnxruntime":
+        top = DEFAULT_MAX_BATCH_SIZE
+    if top is None and cfg.build is not None:
+        top = min(shapes.max[0] for profile in cfg.build.profiles for shapes in profile.values())
+    try:
+        return allowed_batch_sizes(cfg, top) if top is not None else None
+    except ValueError:
+        return None  # ModelSignature.build reports it with the model's place in the config
+
+
+def engine_options(cfg: ModelConfig, batch_sizes: tuple[int, ...] | None) -> dict[str, Any]:
+    """Keyword arguments of the onnxruntime engine (``OnnxRuntimeEngine``, ``MultiprocEngine``) for ``cfg``; the
+    GPU options only on KIND_GPU, and only those with a value (``gpu_memory_limit_mb`` becomes bytes, ONNX
+    Runtime's ``gpu_mem_limit`` unit)."""
+    options: dict[str, Any] = {"device": cfg.device, "intra_op_threads": cfg.intra_op_threads}
+    if cfg.device != "cuda":
+        return options
+    mem_limit = int(cfg.gpu_memory_limit_mb * MiB) if cfg.gpu_memory_limit_mb is not None else None
+    gpu = {"precision": cfg.effective_precision, "batch_sizes": batch_sizes, "gpu_mem_limit": mem_limit,
+           "arena_extend_strategy": cfg.arena_extend_strategy, "gpu_execution": cfg.gpu_execution}
+    return options | {k: v for k, v in gpu.items() if v is not None}
 
 
 def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | None = None) -> Loaded:
@@ -100,12 +146,15 @@ def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | No
     contexts: list[ExecutionContext] = []
     engine: Engine | None = None
     try:
-        engine = open_engine(cfg, path, on_restart)
+        engine = open_engine(cfg, path, on_restart, planned_batch_sizes(cfg))
         signature = ModelSignature.build(engine, cfg, where)
-        sizes = warmup_batch_sizes(cfg, signature.max_batch_size)
+        sizes = warmup_batch_sizes(cfg, signature)
         for _ in range(cfg.instances):
             ctx = engine.create_context()
             contexts.append(ctx)
+            if ctx.batch_sizes not in (None, signature.allowed_batch_sizes):
+                raise ConfigError(f"{where}: the engine prepared batch sizes {list(ctx.batch_sizes)}, the model "
+                                  f"allows {signature.allowed_batch_sizes}")
             for rows in sizes:
                 ctx.execute(warmup_inputs(signature, cfg, rows))
     except EngineError as exc:
@@ -139,14 +188,18 @@ def trim_heap() -> None:
         pass
 
 
-def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | None = None) -> Engine:
+def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | None = None,
+                batch_sizes: tuple[int, ...] | None = None) -> Engine:
     """Open ``path`` with the config's backend; an .onnx file for ``tensorrt`` is built into a cached plan first.
+
+    Args:
+        batch_sizes: the allowed batch sizes its contexts prepare executables for (:func:`planned_batch_sizes`).
 
     Raises:
         EngineError: the backend is not installed, the file cannot be loaded, or the build fails.
     """
     if cfg.backend == "onnxruntime":
-        options = {"device": cfg.device, "intra_op_threads": cfg.intra_op_threads}
+        options = engine_options(cfg, batch_sizes)
         if cfg.mode == "multiproc":
             from engines.multiproc import MultiprocEngine
 
@@ -158,7 +211,9 @@ def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | N
 
     if path.suffix == ".onnx":
         path = _build_plan(cfg, path)
-    return TensorRTEngine(path, runtime=cfg.runtime)
+    if batch_sizes is None:
+        return TensorRTEngine(path, runtime=cfg.runtime)
+    return TensorRTEngine(path, runtime=cfg.runtime, batch_sizes=batch_sizes)
 
 
 def _build_plan(cfg: ModelConfig, path: Path) -> Path:

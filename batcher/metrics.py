@@ -16,6 +16,7 @@ ours                                              Triton
 ``batcher_compute_output_seconds_total``          ``nv_inference_compute_output_duration_us``
 ``batcher_batch_size`` (histogram, rows)          (none; Triton only has the two counts above)
 ``batcher_queue_depth`` (gauge, requests)         ``nv_inference_pending_request_count``
+``batcher_padded_rows_total``                     (none; zero rows padding batches to allowed sizes)
 ================================================  ===============================================
 
 Failure reasons: ``invalid`` (400/413), ``rejected`` (503: queue full, not ready), ``timeout`` (504: deadline
@@ -87,6 +88,10 @@ class Metrics:
         self.queue_depth = Gauge(
             "batcher_queue_depth", "Requests waiting in the model's queue", labels, registry=r
         )
+        self.padded_rows = Counter(
+            "batcher_padded_rows", "Zero rows executed to pad batches up to an allowed batch size (never answered)",
+            labels, registry=r,
+        )
 
         # model lifecycle and memory (load strategies, LRU budget)
         self.model_loaded = Gauge("batcher_model_loaded", "1 while the model version is loaded and ready, else 0",
@@ -94,7 +99,8 @@ class Metrics:
         self.model_memory = Gauge(
             "batcher_model_memory_bytes",
             "Memory of a loaded model: kind=budgeted (counted against the budget), footprint (engine + contexts as "
-            "the backend reports), measured (growth measured at load)", (*labels, "kind"), registry=r,
+            "the backend reports), measured (growth measured at load), device (GPU memory of its engine and "
+            "contexts, CUDA graphs and workspaces included)", (*labels, "kind"), registry=r,
         )
         self.memory_used = Gauge("batcher_memory_used_bytes", "Memory counted against the budget by loaded models",
                                  registry=r)
@@ -134,6 +140,7 @@ class Metrics:
             compute_infer=self.compute_infer.labels(*lv),
             compute_output=self.compute_output.labels(*lv),
             queue_depth=self.queue_depth.labels(*lv),
+            padded_rows=self.padded_rows.labels(*lv),
         )
 
 
@@ -151,3 +158,4 @@ class ModelMetrics:
     compute_input: Counter
     compute_infer: Counter
     compute_output: Counter
+    padded_rows: Counter

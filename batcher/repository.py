@@ -6,7 +6,8 @@
   (:mod:`batcher.lru` says which). A model with requests in flight, queued or waiting for its load is pinned.
 
 What a model counts against the budget is the seed's formula, engine + contexts, as measured while it first
-loaded (resident memory on CPU, device memory on CUDA, at least its weights once per instance); before its first
+loaded (resident memory on CPU; on CUDA device memory, at least the ``device_nbytes`` of its engine and contexts,
+CUDA graphs and workspaces included; at least its weights once per instance); before its first
 load ``(1 + 2 x instances) x`` its file size plus 32 MiB, or the config's ``memory_mb``. After each load the
 measured figure replaces the estimate and the budget is enforced again.
 
@@ -66,6 +67,7 @@ class ModelSlot:
         self.task: asyncio.Future | None = None  # the load or unload in progress
         self.measured_bytes: int | None = None  # growth measured at the first load (at least the weights)
         self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
+        self.device_bytes = 0  # device memory of the loaded engine and contexts (graphs, workspaces); 0 on CPU
         self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
 
     @property
@@ -224,8 +226,9 @@ class ModelRepository:
                 restarts = self._restarts.labels(slot.name, slot.version)
                 loaded = await asyncio.to_thread(self._loader, slot.cfg, slot.where, restarts.inc)
                 if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
-                    slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances)
-                slot.footprint_bytes = loaded.footprint_bytes
+                    slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances,
+                                              loaded.device_bytes)
+                slot.footprint_bytes, slot.device_bytes = loaded.footprint_bytes, loaded.device_bytes
                 slot.loaded = loaded
                 try:
                     for hook in self.on_load:
@@ -344,5 +347,7 @@ class ModelRepository:
             if s.measured_bytes is not None:
                 entry["measured_bytes"] = s.measured_bytes
                 entry["footprint_bytes"] = s.footprint_bytes
+            if s.device_bytes:  # on GPU: engine and contexts' device memory, CUDA graphs and workspaces included
+                entry["device_bytes"] = s.device_bytes
             out.append(entry)
         return out

@@ -16,10 +16,11 @@ The batcher loop, after Ray Serve's ``_BatchQueue.wait_for_batch``:
   (:func:`batcher.batching.window_wait`) closes: ``max_queue_delay_microseconds`` after the batch's first request
   arrived, earlier when its earliest deadline needs the time to execute. New arrivals, expiries and cancels wake
   it (``_wakeup``).
-* **Guarantees:** a request is in at most one batch; a batch never exceeds ``max_batch_size`` rows and never
-  splits a request; every request's future is settled exactly once - outputs, or the error for it - by
-  whichever comes first of its deadline timer (:meth:`_expire`, 504), its batch's end (:meth:`_finish`), a cancel
-  (the client left: never executed if still queued) or :meth:`close` (503).
+* **Guarantees:** a request is in at most one batch; a batch never exceeds ``max_batch_size`` rows (the largest
+  allowed batch size; the executor pads smaller batches up to an allowed size) and never splits a request; every
+  request's future is settled exactly once - outputs, or the error for it - by whichever comes first of its
+  deadline timer (:meth:`_expire`, 504), its batch's end (:meth:`_finish`), a cancel (the client left: never
+  executed if still queued) or :meth:`close` (503).
 * **On cancel** (:meth:`close`): the loop task is cancelled where it waits (the idle executor it held goes back),
   queued requests get 503, executing batches run to their end, then executors and contexts are released.
 
@@ -86,6 +87,7 @@ class ModelRunner:
         db = cfg.dynamic_batching
         self._delay_s = db.max_queue_delay_microseconds / 1e6
         self._max_batch = signature.max_batch_size
+        self._allowed = signature.allowed_batch_sizes
         self._preferred = tuple(db.preferred_batch_size)
         self._adaptive = db.adaptive_queue_delay
         self._levels = db.priority_levels
@@ -95,7 +97,8 @@ class ModelRunner:
         self._depth = 0
         self._queued_rows = 0
         self._executing_rows = 0
-        self.times = BatchTimes()  # measured seconds per batch size: admission, early windows, late drops
+        # measured seconds per executed batch size: admission, early windows, late drops
+        self.times = BatchTimes(allowed=self._allowed)
         self._gap_s = 0.0  # moving average of arrival gaps (s, each capped at 1 s); starts "busy"
         self._last_arrival: float | None = None
         self._wakeup = asyncio.Event()
@@ -224,8 +227,8 @@ class ModelRunner:
         self._set_depth(self._depth - len(batch))
         self._queued_rows -= rows
         self._executing_rows += rows
-        fut = asyncio.ensure_future(
-            self._executors[idx].submit(execute_batch, batch, self.name, self.times.estimate(rows), self._loop.time))
+        fut = asyncio.ensure_future(self._executors[idx].submit(
+            execute_batch, batch, self.name, self.times.estimate(rows), self._loop.time, self._allowed))
         self._running.add(fut)
         fut.add_done_callback(partial(self._finish, idx, batch))
 
@@ -235,7 +238,7 @@ class ModelRunner:
             if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
                 self._queue = [p for p in self._queue if p.state is State.QUEUED]
             now = self._loop.time()
-            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s)
+            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s, self._allowed)
             if not batch:
                 await self._wakeup.wait()
                 continue
@@ -287,8 +290,9 @@ class ModelRunner:
         m.compute_input.inc(t_input)
         m.compute_infer.inc(t_infer)
         m.compute_output.inc(t_output)
-        self.stats.batch(result.rows, requests, t_input, t_infer, t_output)
-        self.times.record(result.rows, t_input + t_infer + t_output)
+        m.padded_rows.inc(result.padded_rows)
+        self.stats.batch(result.rows, requests, t_input, t_infer, t_output, result.padded_rows)
+        self.times.record(result.rows + result.padded_rows, t_input + t_infer + t_output)
 
     # ------------------------------------------------------------------ lifecycle
     async def close(self) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 from engines.base import Engine, TensorSpec
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
+from .batch_sizes import allowed_batch_sizes
 from .config import ModelConfig
 from .errors import ConfigError, InvalidInput
 
@@ -32,6 +33,9 @@ class ModelSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
+    #: the sizes every batch is padded up to, ascending, the last being ``max_batch_size``
+    #: (:mod:`batcher.batch_sizes`); None: no padding.
+    allowed_batch_sizes: tuple[int, ...] | None = None
 
     @classmethod
     def build(cls, engine: Engine, cfg: ModelConfig, where: str) -> ModelSignature:
@@ -42,7 +46,8 @@ class ModelSignature:
 
         Raises:
             ConfigError: the config asks for more rows than the engine's profile allows, names an input the
-                model lacks, or declares dims that contradict the model's fixed dims or rank.
+                model lacks, declares dims that contradict the model's fixed dims or rank, or lists allowed batch
+                sizes without the effective max_batch_size.
         """
         engine_max = engine.max_batch_size
         for spec in engine.inputs:
@@ -58,6 +63,11 @@ class ModelSignature:
                 f"{where}.max_batch_size: {cfg.max_batch_size} exceeds the engine profile maximum {engine_max}"
             )
         max_batch = cfg.max_batch_size or engine_max or DEFAULT_MAX_BATCH_SIZE
+        try:
+            allowed = allowed_batch_sizes(cfg, max_batch)
+        except ValueError as exc:
+            unset = f" (max_batch_size is not set: {max_batch} is its default)" if cfg.max_batch_size is None else ""
+            raise ConfigError(f"{where}.allowed_batch_sizes: {exc}{unset}") from None
         preferred = cfg.dynamic_batching.preferred_batch_size
         if any(p > max_batch for p in preferred):
             raise ConfigError(
@@ -87,7 +97,7 @@ class ModelSignature:
                 dims = tuple(d.dims)
             inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims)))
         return cls(tuple(inputs), tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:])) for o in engine.outputs),
-                   max_batch)
+                   max_batch, allowed)
 
     def check(self, model: str, inputs: dict[str, np.ndarray]) -> int:
         """Validate a request's inputs; return its number of rows (its batch dim).

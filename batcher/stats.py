@@ -2,7 +2,8 @@
 
 Rule (Triton's, ``docs/protocol/extension_statistics.md``): every inference request that reaches a model version
 ends in exactly one of ``success`` (answered with outputs) and ``fail`` (answered with an error), each timed from
-its arrival to its answer. ``queue`` times each executed request's wait for its batch; the compute phases are per
+its arrival to its answer. ``inference_count`` and ``batch_stats`` count the requests' rows; ``padded_rows`` (this
+server's addition) counts the zero rows batches were padded with to reach an allowed batch size. ``queue`` times each executed request's wait for its batch; the compute phases are per
 request (each request of a batch is charged its batch's phase time), and ``batch_stats`` holds per batch size the
 executions and their phase times. A slot's statistics cover its whole life (every load of it); the Prometheus
 counters of :mod:`batcher.metrics` are moved by the same calls (:meth:`batcher.dataplane.DataPlane` records each
@@ -42,14 +43,19 @@ class Stats:
     compute_output: Duration = field(default_factory=Duration)
     inference_count: int = 0
     execution_count: int = 0
+    #: zero rows executed to pad batches up to allowed batch sizes (this server's addition)
+    padded_rows: int = 0
     last_inference_ms: int = 0
     #: batch size -> executions and their phase times (input, infer, output)
     batches: dict[int, list[Duration]] = field(default_factory=dict)
 
-    def batch(self, rows: int, requests: int, t_input: float, t_infer: float, t_output: float) -> None:
-        """One executed batch of ``rows`` rows from ``requests`` requests and its phase times (seconds)."""
+    def batch(self, rows: int, requests: int, t_input: float, t_infer: float, t_output: float,
+              padded_rows: int = 0) -> None:
+        """One executed batch of ``rows`` rows from ``requests`` requests, padded with ``padded_rows`` zero rows,
+        and its phase times (seconds)."""
         self.inference_count += rows
         self.execution_count += 1
+        self.padded_rows += padded_rows
         self.compute_input.add(t_input * requests, requests)
         self.compute_infer.add(t_infer * requests, requests)
         self.compute_output.add(t_output * requests, requests)
@@ -65,6 +71,7 @@ class Stats:
             "last_inference": self.last_inference_ms,
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,
+            "padded_rows": self.padded_rows,
             "inference_stats": {
                 "success": self.success.json(), "fail": self.fail.json(), "queue": self.queue.json(),
                 "compute_input": self.compute_input.json(), "compute_infer": self.compute_infer.json(),

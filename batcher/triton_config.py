@@ -4,7 +4,8 @@ Field names and enum spellings are those of Triton's ``model_config.proto`` (as 
 ``max_batch_size``, ``input``/``output`` with ``data_type: TYPE_FP32`` and ``dims`` without the batch dim,
 ``instance_group: [{count, kind, gpus}]``, ``dynamic_batching: {preferred_batch_size,
 max_queue_delay_microseconds, priority_levels, default_priority_level, default_queue_policy}``). perf_analyzer and
-tritonclient's ``get_model_config`` read it. After PyTriton's ``model_config/generator.py``: one function of the
+tritonclient's ``get_model_config`` read it. One field is this server's own, at top level: ``allowed_batch_sizes``
+(the sizes batches are padded to, TF Serving's name; null when they are not padded). After PyTriton's ``model_config/generator.py``: one function of the
 config, nothing else builds this document.
 """
 
@@ -53,6 +54,8 @@ def model_config_json(cfg: ModelConfig, signature: ModelSignature) -> dict[str, 
         "instance_group": [
             {"name": f"{cfg.name}_{i}", **g.model_dump(exclude_none=True)} for i, g in enumerate(cfg.instance_group)
         ],
+        # this server's addition (TF Serving's name; Triton has no such field): null when batches are not padded
+        "allowed_batch_sizes": list(signature.allowed_batch_sizes) if signature.allowed_batch_sizes else None,
     }
     if batched:
         doc["dynamic_batching"] = {

@@ -23,22 +23,49 @@ MiB = 1 << 20
 
 
 class FakeContext(ExecutionContext):
-    """``y = 2 * x`` over input ``x`` (FP32 ``[N, 4]``); records every batch's row count; ``fail`` makes the
-    next execute raise ``fail``."""
+    """``y = 2 * x`` over input ``x`` (FP32 ``[N, 4]``); records every batch's row count and its input; ``fail``
+    makes the next execute raise ``fail``.
 
-    def __init__(self, nbytes: int = 0) -> None:
+    Like a GPU context (``engines/base.py``): ``batch_sizes`` set, it refuses any other first dimension (EngineError)
+    and stages inputs in one reused host buffer (:meth:`host_buffer`, left dirty between batches);
+    ``description`` is what :meth:`describe` says, ``device_nbytes`` its device memory."""
+
+    def __init__(self, nbytes: int = 0, batch_sizes: tuple[int, ...] | None = None,
+                 description: dict | None = None, device_nbytes: int = 0) -> None:
         self.batches: list[int] = []
+        self.inputs: list[np.ndarray] = []
         self.fail: Exception | None = None
         self.released = False
         self._nbytes = nbytes
+        self._batch_sizes = batch_sizes
+        self._description = description or {}
+        self._device_nbytes = device_nbytes
+        self._staging = np.full((max(batch_sizes), 4), np.nan, np.float32) if batch_sizes else None
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fail is not None:
             exc, self.fail = self.fail, None
             raise exc
         x = inputs["x"]
+        if self._batch_sizes is not None and x.shape[0] not in self._batch_sizes:
+            raise EngineError(f"batch of {x.shape[0]} rows; prepared sizes {self._batch_sizes}")
         self.batches.append(x.shape[0])
+        self.inputs.append(x.copy())
         return {"y": x * 2}
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        return None if self._staging is None else self._staging[: shape[0]]
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        return self._batch_sizes
+
+    def describe(self) -> dict:
+        return dict(self._description)
+
+    @property
+    def device_nbytes(self) -> int:
+        return self._device_nbytes
 
     @property
     def nbytes(self) -> int:
@@ -51,11 +78,18 @@ class FakeContext(ExecutionContext):
 class FakeEngine(Engine):
     backend = "fake"
 
-    def __init__(self, nbytes: int = 0) -> None:
+    def __init__(self, nbytes: int = 0, engine_device_nbytes: int = 0, **context: Any) -> None:
+        """``context``: keyword arguments of every :class:`FakeContext` it creates."""
         self._inputs = (TensorSpec("x", "FP32", (-1, 4)),)
         self._outputs = (TensorSpec("y", "FP32", (-1, 4)),)
         self._nbytes = nbytes
+        self._device_nbytes = engine_device_nbytes
+        self._context = context
         self.released = False
+
+    @property
+    def device_nbytes(self) -> int:
+        return self._device_nbytes
 
     @property
     def max_batch_size(self) -> int | None:
@@ -66,7 +100,7 @@ class FakeEngine(Engine):
         return self._nbytes
 
     def create_context(self) -> FakeContext:
-        return FakeContext()
+        return FakeContext(**self._context)
 
     def release(self) -> None:
         self.released = True
@@ -113,12 +147,16 @@ def rows(n: int, value: float = 1.0) -> dict[str, np.ndarray]:
 
 class FakeLoader:
     """``load_model`` without a model file: each model counts ``sizes_mb[name]`` MB; ``fail`` names models whose
-    load raises ConfigError; ``loads`` records the names loaded, in order."""
+    load raises ConfigError; ``loads`` records the names loaded, in order; ``context`` (keyword arguments of
+    :class:`FakeContext`, and ``engine_device_nbytes``) makes the contexts GPU-like, each model's contexts prepared for
+    its allowed sizes."""
 
-    def __init__(self, sizes_mb: dict[str, float] | None = None, fail: set[str] = frozenset()) -> None:
+    def __init__(self, sizes_mb: dict[str, float] | None = None, fail: set[str] = frozenset(),
+                 **context: Any) -> None:
         self.sizes_mb = sizes_mb or {}
         self.fail = set(fail)
         self.loads: list[str] = []
+        self.context = context
 
     def __call__(self, cfg: ModelConfig, where: str, on_restart=None) -> Loaded:
         from batcher.errors import ConfigError
@@ -127,9 +165,9 @@ class FakeLoader:
         if cfg.name in self.fail:
             raise ConfigError(f"{where}: model {cfg.name!r} failed to load: broken on purpose")
         nbytes = int(self.sizes_mb.get(cfg.name, 10) * MiB)
-        engine = FakeEngine()
+        sig = ModelSignature.build(FakeEngine(), cfg, where)
+        engine = FakeEngine(**({"batch_sizes": sig.allowed_batch_sizes} | self.context if self.context else {}))
         contexts = [engine.create_context() for _ in range(cfg.instances)]
-        sig = ModelSignature.build(engine, cfg, where)
         return Loaded(engine, contexts, sig, load_seconds=0.0, measured_bytes=nbytes)
 
 

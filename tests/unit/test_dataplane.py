@@ -172,7 +172,8 @@ async def test_metadata_config_and_statistics():
     meta = await dp.model_metadata("m")
     assert meta == {"name": "m", "versions": ["1"], "platform": "onnxruntime_onnx",
                     "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
-                    "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}]}
+                    "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+                    "parameters": {"allowed_batch_sizes": None, "contexts": [{}]}}
     cfg = await dp.model_config("m")
     assert cfg["max_batch_size"] == 8 and cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}]
     await dp.infer("m", None, now(), reader(InferRequest(rows(3))), passthrough)
