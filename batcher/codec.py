@@ -232,7 +232,7 @@ def json_tensor(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
         if arr is None:  # a literal of the wrong kind or out of range: the exact path names it
             arr = _exact(_flat(data), datatype, dtype, where)
     if arr.size != count:
-        raise InvalidInput(f"{where}: the shape holds {count} elements, the data {arr.size}")
+        raise InvalidInput(f"{where}: shape holds {count} elements, data has {arr.size}")
     return arr
 
 

@@ -19,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
+from .bodies import read_body
 from .codec import HEADER_LENGTH, decode_request, encode_response
-from .errors import ModelNotFound, RequestTimeout, Unauthorized
+from .errors import ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -59,6 +60,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 @routes.get("/v2")
+@routes.get("/v2/")  # the Open Inference Protocol's REST specification writes it with the slash
 async def server_metadata(request: web.Request) -> web.Response:
     extensions = ["binary_tensor_data", "model_configuration", "statistics"]
     if request.app[CONFIG].server.repository_api:
@@ -103,11 +105,7 @@ async def infer(request: web.Request) -> web.Response:
     server = request.app[CONFIG].server
 
     async def read() -> InferRequest:
-        try:
-            body = await asyncio.wait_for(request.read(), server.read_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(
-                f"request body not received within server.read_timeout_s = {server.read_timeout_s} s") from None
+        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
         header_length = request.headers.get(HEADER_LENGTH)
         # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
