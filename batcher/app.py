@@ -21,7 +21,7 @@ from .errors import BatcherError
 from .dataplane import DataPlane
 from .keys import CONFIG, DATAPLANE, METRICS
 from .metrics import Metrics
-from .routes import routes, warm_codec
+from .routes import expect_handler, routes, warm_codec
 
 log = logging.getLogger(__name__)
 
@@ -106,5 +106,7 @@ def create_app(config: Config) -> web.Application:
         await dataplane.close()
 
     app.cleanup_ctx.append(dataplane_ctx)
+    for route in routes:
+        route.kwargs.setdefault("expect_handler", expect_handler)
     app.add_routes(routes)
     return app

@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 import yaml
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.datatypes import NUMPY_DTYPES
@@ -141,6 +142,16 @@ def warm_codec(slot: ModelSlot) -> None:
     encode_response(InferResponse(slot.name, slot.version, outs, req))
 
 
+async def expect_handler(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue`` as aiohttp answers it; any other expectation 417 with a JSON body (aiohttp's own
+    417 is plain text, sent before the error middleware could see it)."""
+    try:
+        await _default_expect_handler(request)
+    except web.HTTPExpectationFailed as exc:
+        return web.Response(body=orjson.dumps({"error": exc.text}), status=exc.status, content_type="application/json")
+    return None
+
+
 # ---------------------------------------------------------------------------- repository extension
 def _repository(request: web.Request) -> None:
     server = request.app[CONFIG].server
@@ -187,4 +198,4 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-__all__ = ["routes", "warm_codec"]
+__all__ = ["expect_handler", "routes", "warm_codec"]
