@@ -33,7 +33,7 @@ async def _status(reader: asyncio.StreamReader) -> int:
 
 async def test_sigterm_with_bodies_in_flight_answers_every_accepted_request(tmp_path, cache_dir):
     config = {"server": {"shutdown_grace_s": 60, "read_timeout_s": 60},
-              "models": [{"name": "mid_cnn", "path": "zoo:mid_cnn", "max_batch_size": ROWS,
+              "models": [{"name": "mid_cnn", "path": "zoo:mid_cnn", "max_batch_size": ROWS, "intra_op_threads": 2,
                           "dynamic_batching": {"max_queue_delay_microseconds": 1000}}]}  # no default timeout
     server = ServerProcess(config, tmp_path)
     try:
