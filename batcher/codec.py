@@ -128,7 +128,6 @@ LITERAL_RULES: dict[str, tuple[str, int | float, int | float]] = {
     name: _limits(name, dt) for name, dt in NUMPY_DTYPES.items() if name != "BYTES"}
 
 _KIND_WORD = {"bool": "true or false", "int": "integer literals", "number": "numbers"}
-_LITERAL_TYPES = {"bool": {bool}, "int": {int}, "number": {int, float}}
 
 
 def _literal(v: Any) -> str:
@@ -151,15 +150,42 @@ def _flat(data: list) -> list:
     return out
 
 
-def _leaf_types(data: list) -> set[type]:
-    """The types of the leaves of nested lists (C-speed on a flat list)."""
-    types = set(map(type, data))
-    if list in types:
-        types.discard(list)
-        for v in data:
-            if type(v) is list:
-                types |= _leaf_types(v)
-    return types
+#: the array kinds numpy's type discovery gives for the literals each rule takes
+_DISCOVERED_KINDS = {"bool": "b", "int": "iu", "number": "iuf"}
+
+
+def _fast_numbers(data: list, datatype: str, dtype: np.dtype, where: str) -> np.ndarray | None:
+    """The fast path: numpy's own type discovery (one C loop), then range checks on the array; None where the
+    exact path must decide (a literal of another kind, out of range, or beyond what numpy holds exactly).
+
+    Raises:
+        InvalidInput: ragged nesting.
+    """
+    try:
+        arr = np.asarray(data)
+    except ValueError as exc:
+        raise InvalidInput(f"{where}: ragged nested list ({exc})") from None
+    kind, lo, hi = LITERAL_RULES[datatype]
+    if arr.dtype.kind not in _DISCOVERED_KINDS[kind] or (kind != "bool" and _hides_bool(data, arr)):
+        return None
+    if kind == "int" and arr.size and (arr.min() < lo or arr.max() > hi):
+        return None
+    with np.errstate(over="ignore"):
+        out = arr.astype(dtype, copy=False).ravel()
+    # JSON has no infinity: an inf after narrowing is a literal beyond the type's range
+    if kind == "number" and dtype.itemsize < arr.dtype.itemsize and np.isinf(out).any():
+        return None
+    return out
+
+
+def _hides_bool(data: list, arr: np.ndarray) -> bool:
+    """Whether a true/false is among the numbers: numpy's discovery reads them as 1 and 0, so only the elements
+    equal to 0 or 1 need a look at their type."""
+    idx = np.flatnonzero((arr == 0) | (arr == 1))
+    if not idx.size:
+        return False
+    flat = data if arr.ndim == 1 else np.asarray(data, dtype=object).ravel()
+    return any(type(flat[i]) is bool for i in idx.tolist())
 
 
 def _exact(flat: list, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
@@ -216,19 +242,7 @@ def json_tensor(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
                 raise InvalidInput(f"{where}[{i}]: BYTES elements must be strings, got {_literal(item)}")
             arr[i] = item.encode()
     else:
-        kind = LITERAL_RULES[datatype][0]
-        arr = None
-        if _leaf_types(data) <= _LITERAL_TYPES[kind]:  # the fast path: one C loop each to check and convert
-            try:
-                with np.errstate(over="ignore"):
-                    arr = np.asarray(data, dtype=dtype).ravel()
-            except ValueError as exc:
-                raise InvalidInput(f"{where}: ragged nested list ({exc})") from None
-            except OverflowError:  # an integer out of the type's range: the exact path says which
-                arr = None
-            # JSON has no infinity: an inf after narrowing is a literal beyond the type's range
-            if arr is not None and kind == "number" and dtype.itemsize < 8 and np.isinf(arr).any():
-                arr = None
+        arr = _fast_numbers(data, datatype, dtype, where)
         if arr is None:  # a literal of the wrong kind or out of range: the exact path names it
             arr = _exact(_flat(data), datatype, dtype, where)
     if arr.size != count:
