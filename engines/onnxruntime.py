@@ -133,6 +133,8 @@ class OnnxRuntimeCudaContext(OnnxRuntimeContext):
         self._binding = session.io_binding()
         self._pinned: dict[str, object] = {}
         self._device: dict[str, object] = {}
+        #: string tensors have no device memory in ONNX Runtime: such a model runs through plain ``run``
+        self._strings = any(a.type == "tensor(string)" for a in [*session.get_inputs(), *session.get_outputs()])
 
     def _buffers(self, name: str, nbytes: int):
         from .cuda import DeviceBuffer, PinnedBuffer
@@ -154,6 +156,9 @@ class OnnxRuntimeCudaContext(OnnxRuntimeContext):
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
             raise EngineError("execution context was released")
+        if self._strings:
+            set_device(self._device_id)
+            return super().execute(inputs)
         set_device(self._device_id)  # the current device is per thread: allocate and copy on the session's
         b = self._binding
         b.clear_binding_inputs()
