@@ -16,20 +16,22 @@ import orjson
 from aiohttp import web
 
 from .config import Config
+from . import httplog
 from .errors import BatcherError
 from .dataplane import DataPlane
 from .keys import CONFIG, DATAPLANE, METRICS
 from .metrics import Metrics
-from .routes import routes, warm_codec
+from .routes import expect_handler, routes, warm_codec
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(status: int, message: str, retry_after_s: int | None = None) -> web.Response:
-    """``{"error": message}`` with ``status``; 503 answers carry ``Retry-After``."""
-    headers = {}
+def error_response(status: int, message: str, retry_after_s: int | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """``{"error": message}`` with ``status`` and ``headers``; 503 answers carry ``Retry-After``."""
+    headers = dict(headers or {})
     if retry_after_s is not None or status == 503:
         headers["Retry-After"] = str(retry_after_s or 1)
     return web.Response(
@@ -43,7 +45,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except BatcherError as exc:
-        return error_response(exc.status, exc.message, exc.retry_after_s)
+        return error_response(exc.status, exc.message, exc.retry_after_s, exc.headers)
     except web.HTTPException as exc:  # aiohttp's own: unknown route 404, 405, 413 body over client_max_size
         if exc.status < 400:
             raise
@@ -85,7 +87,10 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
 
 def create_app(config: Config) -> web.Application:
     """Build the application for ``config``; models load when it starts (``cleanup_ctx``)."""
-    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware])
+    httplog.install()  # malformed HTTP is the client's mistake: INFO, no traceback, rate-limited
+    # bodies are read and decoded by batcher.bodies, within the limit: aiohttp's own decompression is off
+    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware],
+                          handler_args={"auto_decompress": False})
     metrics = Metrics()
     app[CONFIG] = config
     app[METRICS] = metrics
@@ -101,5 +106,7 @@ def create_app(config: Config) -> web.Application:
         await dataplane.close()
 
     app.cleanup_ctx.append(dataplane_ctx)
+    for route in routes:
+        route.kwargs.setdefault("expect_handler", expect_handler)
     app.add_routes(routes)
     return app

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
 
 from .batch_sizes import check_allowed_batch_sizes
 from .errors import ConfigError
@@ -49,12 +50,15 @@ class InputConfig(_Strict):
     """Declares or narrows a model input, like Triton's ``input { name dims }``.
 
     ``dims`` excludes the batch dimension; ``-1`` leaves a dimension dynamic. ``warmup_dims`` gives the sizes
-    used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``).
+    used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``). ``warmup_data`` gives sample
+    values for the warm-up run, repeated row-major to fill the input (JSON literals as a request's ``data``
+    takes them: strings for BYTES; default: zeros, and ``"0"`` for BYTES, text most string-parsing models accept).
     """
 
     name: str
     dims: list[int] | None = None
     warmup_dims: list[int] | None = None
+    warmup_data: list[StrictBool | StrictInt | StrictFloat | StrictStr] | None = Field(None, min_length=1)
 
     @field_validator("dims")
     @classmethod

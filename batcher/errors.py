@@ -14,10 +14,13 @@ class BatcherError(Exception):
     #: failure reason label for ``batcher_request_failure_total{reason}``.
     reason: str = "other"
 
-    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+        #: extra response headers (e.g. ``Accept-Encoding`` of a 415)
+        self.headers = headers or {}
 
 
 class InvalidInput(BatcherError):
@@ -59,6 +62,13 @@ class PayloadTooLarge(BatcherError):
     """Request body over ``server.max_body_bytes``."""
 
     status = 413
+    reason = "invalid"
+
+
+class UnsupportedMediaType(BatcherError):
+    """A request body in a ``Content-Encoding`` the server cannot undo; answered with ``Accept-Encoding``."""
+
+    status = 415
     reason = "invalid"
 
 

@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engines.base import EngineError, EngineUnavailable, ExecutionContext
+from engines.base import EngineError, EngineInputError, EngineUnavailable, ExecutionContext
 
 from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
-from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, Unavailable
+from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, InvalidInput, Unavailable
 
 
 @dataclass
@@ -80,16 +80,36 @@ def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, b
             t2 = time.perf_counter()
             # the padding rows form a last share that nobody gets; the split checks every output has rows + pad
             parts: list = split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)]
-        except EngineUnavailable as exc:  # e.g. the worker process died with the batch; the next one restarts it
-            parts = [Unavailable(f"model '{model}': {exc}", retry_after_s=1)] * len(live)
-            t1 = t2 = t1 or time.perf_counter()
         except (EngineError, ValueError) as exc:
-            parts = [ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")] * len(live)
             t1 = t2 = t1 or time.perf_counter()
+            if len(live) > 1 and not isinstance(exc, EngineUnavailable):
+                # one request's data may be what the engine rejected: run each alone so only that one fails
+                parts = [_run_alone(ctx, p, model, allowed) for p in live]
+            else:
+                parts = [_failure(exc, model, rows)] * len(live)
         t3 = time.perf_counter()
         for p, part in zip(live, parts):
             results[id(p)] = part
     return BatchResult([results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows, pad)
+
+
+def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
+    """The answer for the requests of a batch the engine failed on."""
+    if isinstance(exc, EngineUnavailable):  # e.g. the worker process died with the batch; the next one restarts it
+        return Unavailable(f"model '{model}': {exc}", retry_after_s=1)
+    if isinstance(exc, EngineInputError):  # the request's data (a batch of one, or run alone)
+        return InvalidInput(f"model '{model}' cannot run on this request's input: {exc}")
+    return ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")
+
+
+def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None) -> dict | BatcherError:
+    """One request of a failed batch, executed on its own (padded like any batch): its outputs, or its failure."""
+    pad = padded_size(p.rows, allowed) - p.rows
+    try:
+        outputs = ctx.execute(stack_inputs([p], ctx.host_buffer, p.rows + pad))
+        return split_outputs(outputs, [p.rows] + [pad] * bool(pad))[0]
+    except (EngineError, ValueError) as exc:
+        return _failure(exc, model, p.rows)
 
 
 class Executor(Protocol):

@@ -22,8 +22,9 @@ from engines.memory import rss_bytes
 from engines.zoo import ZooError, resolve
 
 from .batch_sizes import allowed_batch_sizes, padded_size
+from .codec import json_tensor
 from .config import ModelConfig
-from .errors import ConfigError
+from .errors import ConfigError, InvalidInput
 from .signature import DEFAULT_MAX_BATCH_SIZE, ModelSignature
 
 #: dynamic dims of warm-up inputs where the config gives no ``warmup_dims``.
@@ -63,17 +64,37 @@ class Loaded:
         _release(self.engine, self.contexts)
 
 
+#: the default warm-up value of a BYTES element: text that most string-parsing models accept (a ``Cast`` from
+#: string to a number, a tokenizer), unlike the empty string.
+WARMUP_TEXT = b"0"
+
+
 def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) -> dict[str, np.ndarray]:
-    """Zero inputs of ``rows`` rows (BYTES: empty strings); dynamic dims take ``warmup_dims`` from the config,
-    else :data:`WARMUP_DIM`."""
-    declared = {i.name: i.warmup_dims for i in cfg.inputs}
+    """Warm-up inputs of ``rows`` rows: the config's ``inputs[].warmup_data`` repeated to fill each input, else
+    zeros (BYTES: :data:`WARMUP_TEXT`); dynamic dims take ``warmup_dims`` from the config, else :data:`WARMUP_DIM`.
+
+    Raises:
+        ConfigError: ``warmup_data`` holds a value the input's datatype does not take (the codec's rules).
+    """
+    declared = {i.name: (j, i) for j, i in enumerate(cfg.inputs)}
     out = {}
     for spec in signature.inputs:
-        wd = declared.get(spec.name)
+        j, decl = declared.get(spec.name, (None, None))
+        wd = decl.warmup_dims if decl else None
         dims = [d if d != -1 else (wd[k] if wd and k < len(wd) else WARMUP_DIM) for k, d in enumerate(spec.shape[1:])]
+        shape = (rows, *dims)
         dtype = NUMPY_DTYPES[spec.datatype]
-        out[spec.name] = (np.full((rows, *dims), b"", dtype=object) if spec.datatype == "BYTES"
-                          else np.zeros((rows, *dims), dtype=dtype))
+        if decl is not None and decl.warmup_data is not None:
+            try:
+                sample = json_tensor(decl.warmup_data, spec.datatype, len(decl.warmup_data),
+                                     f"model {cfg.name!r}: inputs[{j}].warmup_data")
+            except InvalidInput as exc:
+                raise ConfigError(exc.message) from None
+            out[spec.name] = np.resize(sample, shape)
+        elif spec.datatype == "BYTES":
+            out[spec.name] = np.full(shape, WARMUP_TEXT, dtype=object)
+        else:
+            out[spec.name] = np.zeros(shape, dtype=dtype)
     return out
 
 

@@ -14,13 +14,15 @@ import numpy as np
 import orjson
 import yaml
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
+from .bodies import read_body
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response
-from .errors import ModelNotFound, RequestTimeout, Unauthorized
+from .errors import ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -60,6 +62,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 @routes.get("/v2")
+@routes.get("/v2/")  # the Open Inference Protocol's REST specification writes it with the slash
 async def server_metadata(request: web.Request) -> web.Response:
     extensions = ["binary_tensor_data", "model_configuration", "statistics"]
     server = request.app[CONFIG].server
@@ -106,11 +109,7 @@ async def infer(request: web.Request) -> web.Response:
     server = request.app[CONFIG].server
 
     async def read() -> InferRequest:
-        try:
-            body = await asyncio.wait_for(request.read(), server.read_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(
-                f"request body not received within server.read_timeout_s = {server.read_timeout_s} s") from None
+        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
         header_length = request.headers.get(HEADER_LENGTH)
         # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
@@ -144,6 +143,16 @@ def warm_codec(slot: ModelSlot) -> None:
     outs = {o.name: np.zeros((1,), dtype=NUMPY_DTYPES[o.datatype]) if o.datatype != "BYTES"
             else np.array([b""], dtype=object) for o in slot.signature.outputs}
     encode_response(InferResponse(slot.name, slot.version, outs, req))
+
+
+async def expect_handler(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue`` as aiohttp answers it; any other expectation 417 with a JSON body (aiohttp's own
+    417 is plain text, sent before the error middleware could see it)."""
+    try:
+        await _default_expect_handler(request)
+    except web.HTTPExpectationFailed as exc:
+        return web.Response(body=orjson.dumps({"error": exc.text}), status=exc.status, content_type="application/json")
+    return None
 
 
 # ---------------------------------------------------------------------------- repository extension
@@ -225,4 +234,4 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-__all__ = ["routes", "warm_codec"]
+__all__ = ["expect_handler", "routes", "warm_codec"]

@@ -36,6 +36,8 @@ class ModelSignature:
     #: the sizes every batch is padded up to, ascending, the last being ``max_batch_size``
     #: (:mod:`batcher.batch_sizes`); None: no padding.
     allowed_batch_sizes: tuple[int, ...] | None = None
+    #: the backend carries BYTES as text (``Engine.bytes_as_text``): BYTES inputs must be UTF-8.
+    bytes_as_text: bool = False
 
     @classmethod
     def build(cls, engine: Engine, cfg: ModelConfig, where: str) -> ModelSignature:
@@ -97,14 +99,15 @@ class ModelSignature:
                 dims = tuple(d.dims)
             inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims)))
         return cls(tuple(inputs), tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:])) for o in engine.outputs),
-                   max_batch, allowed)
+                   max_batch, allowed, engine.bytes_as_text)
 
     def check(self, model: str, inputs: dict[str, np.ndarray]) -> int:
         """Validate a request's inputs; return its number of rows (its batch dim).
 
         Raises:
             InvalidInput: unknown or missing input, wrong datatype, rank or fixed dim, rows differ between
-                inputs, zero rows, or more rows than ``max_batch_size`` (never split silently).
+                inputs, zero rows, more rows than ``max_batch_size`` (never split silently), or, where the backend
+                carries BYTES as text, a BYTES element that is not UTF-8.
         """
         expected = [s.name for s in self.inputs]
         for name in inputs:
@@ -126,6 +129,8 @@ class ModelSignature:
                 raise InvalidInput(
                     f"input '{spec.name}': shape {_fmt(shape)} does not match the model's {_fmt(spec.shape)}"
                 )
+            if self.bytes_as_text and spec.datatype == "BYTES":
+                _check_utf8(spec.name, arr)
             if rows is None:
                 rows = shape[0]
             elif shape[0] != rows:
@@ -146,3 +151,13 @@ class ModelSignature:
         for name in names:
             if name not in known:
                 raise InvalidInput(f"unknown output '{name}' for model '{model}'; outputs: {known}")
+
+
+def _check_utf8(name: str, arr: np.ndarray) -> None:
+    for i, b in enumerate(arr.ravel()):
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                f"input '{name}': BYTES element {i} is not UTF-8 text ({exc.reason} at byte {exc.start}); this "
+                "model's backend (ONNX Runtime) carries strings as UTF-8 text only") from None

@@ -6,7 +6,8 @@ memory footprint. It hands out :class:`ExecutionContext` objects; a context hold
 thread-safe: the caller must use one context from one thread at a time (the serving layer gives each context its
 own executor thread). Contexts may run side by side.
 
-Shapes include the batch dimension first; ``-1`` marks a dynamic dimension.
+Shapes include the batch dimension first; ``-1`` marks a dynamic dimension. BYTES tensors are numpy ``object``
+arrays whose elements are ``bytes``, inputs and outputs alike; a backend converts to and from its own string type.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import numpy as np
 
 class EngineError(RuntimeError):
     """A backend failed to load a model or to execute a batch; the message gives the backend's reason."""
+
+
+class EngineInputError(EngineError):
+    """The backend cannot take this batch's input data (e.g. BYTES elements that are not UTF-8 for a backend that
+    carries strings as text, or text a string-parsing operator rejects): the request's fault, answered 400."""
 
 
 class EngineUnavailable(EngineError):
@@ -115,6 +121,10 @@ class Engine(abc.ABC):
 
     #: backend name, e.g. ``"onnxruntime"``.
     backend: str = ""
+
+    #: True where the backend carries BYTES as text (ONNX Runtime: ``std::string`` from a Python ``str``): every
+    #: element of a BYTES input must then be UTF-8, and the server rejects other bytes (400) before queueing.
+    bytes_as_text: bool = False
 
     #: set by each backend when it opens the model
     _inputs: tuple[TensorSpec, ...] = ()

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 import onnxruntime as ort
 
+from bench.string_models import string_models  # noqa: F401 - the tests' string models
 from bench.sweep.requests import build_request
 from engines.datatypes import from_numpy
 from engines.zoo import resolve

@@ -52,6 +52,7 @@ class OnnxRuntimeEngine(Engine):
     """
 
     backend = "onnxruntime"
+    bytes_as_text = True
 
     def __init__(self, path: str | os.PathLike[str], *, device: str = "cpu", intra_op_threads: int = 1,
                  device_id: int = 0, precision: str | None = None, batch_sizes: Sequence[int] | None = None,
@@ -113,7 +114,17 @@ class OnnxRuntimeEngine(Engine):
             grown = max(0, rss_bytes() - before)
         return OnnxRuntimeContext(session, [o.name for o in session.get_outputs()], grown)
 
+    def _cuda_string_context(self) -> OnnxRuntimeContext:
+        """A model with string tensors on CUDA: plain ``run`` on a CUDA session (ONNX Runtime keeps strings on the
+        host, so IOBinding to device buffers and CUDA graphs cannot hold them); ONNX Runtime does the copies."""
+        provider = {"device_id": str(self.device_id), "use_tf32": "1" if self.precision == "tf32" else "0"}
+        session = self._session(self._plan.path, [("CUDAExecutionProvider", provider), "CPUExecutionProvider"])
+        return OnnxRuntimeContext(session, [o.name for o in self._outputs], 0,
+                                  {"execution": "cuda_run", "precision": self.precision, "device_id": self.device_id})
+
     def _cuda_context(self) -> ExecutionContext:
+        if any(s.datatype == "BYTES" for s in (*self._inputs, *self._outputs)):
+            return self._cuda_string_context()
         sizes = self.batch_sizes
         if sizes is None:
             return CudaSessionsContext(self._plan, None)

@@ -1,9 +1,14 @@
-"""Property-based fuzzing of the HTTP API (hypothesis) against a real server, and the OpenAPI description."""
+"""Property-based fuzzing of the HTTP API (hypothesis) against real servers - bodies, headers, content codings, BYTES
+tensors on real string models - and the OpenAPI description."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
+import zlib
+
+import brotli
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -84,3 +89,107 @@ def test_nan_and_infinity_literals_are_not_json(default_server, datatype, data, 
     body = ('{"inputs":[{"name":"x","datatype":"%s","shape":[1],"data":[%s]}]}' % (datatype, data)).encode()
     status, resp = _post(default_server.port, "/v2/models/ppocr_cls/infer", body, None)
     assert status == expected and "not valid JSON" in json.loads(resp)["error"]
+
+
+# ---------------------------------------------------------------------------------------------- headers, codings, BYTES
+@pytest.fixture(scope="module")
+def string_server(tmp_path_factory, cache_dir):
+    """Real string models (identity on STRING [N], Cast STRING->FLOAT [N, 2]) and Cast FLOAT->STRING."""
+    from helpers import string_models
+
+    from bench.server import ServerProcess
+
+    paths = string_models(tmp_path_factory.mktemp("fuzz-models"))
+    config = {"models": [{"name": n, "path": paths[n], "max_batch_size": 8} for n in ("str_id1", "str2f", "f2str")]}
+    with ServerProcess(config, tmp_path_factory.mktemp("fuzz-strings")) as server:
+        yield server
+
+
+def _send(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", path, body=body, headers=headers)
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, data
+
+
+def _assert_json_error(status: int, data: bytes, framing: bool = False) -> None:
+    """No 5xx; an error has a JSON body, except aiohttp's own 400 for a request it cannot parse (``framing``: a
+    Transfer-Encoding it does not know breaks the message before any of the server's code runs)."""
+    assert status < 500, (status, data[:300])
+    if status >= 400 and not (framing and status == 400):
+        assert isinstance(json.loads(data)["error"], str)
+
+
+F2STR_BODY = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2]}]}).encode()
+HEADER_NAMES = ["Content-Encoding", "Inference-Header-Content-Length", "Content-Type", "Accept-Encoding", "Expect",
+                "Transfer-Encoding", "Authorization", "Connection", "X-Anything"]
+header_values = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+header_names = st.one_of(st.sampled_from(HEADER_NAMES),
+                         st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz-ABC0123456789"), min_size=1, max_size=20))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(headers=st.dictionaries(header_names, header_values, max_size=6))
+def test_no_5xx_for_any_request_headers(string_server, headers):
+    headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "host")}
+    status, data = _send(string_server.port, "/v2/models/f2str/infer", F2STR_BODY, headers)
+    _assert_json_error(status, data, framing=any(k.lower() == "transfer-encoding" for k in headers))
+
+
+CODINGS = ["gzip", "x-gzip", "deflate", "br", "identity", "GZIP", "", "zstd", "compress", "gzip;q=1"]
+ENCODERS = {"gzip": gzip.compress, "x-gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
+            "identity": lambda b: b}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(declared=st.lists(st.one_of(st.sampled_from(CODINGS), header_values), max_size=3),
+       applied=st.lists(st.sampled_from(list(ENCODERS)), max_size=3),
+       body=st.one_of(st.just(F2STR_BODY), st.binary(max_size=200)))
+def test_no_5xx_for_content_codings(string_server, declared, applied, body):
+    """Declared codings and the codings really applied, matching or not: 200, 400, 415 or 413, never a 5xx."""
+    for coding in applied:
+        body = ENCODERS[coding](body)
+    status, data = _send(string_server.port, "/v2/models/f2str/infer", body,
+                         {"Content-Encoding": ", ".join(declared)})
+    _assert_json_error(status, data)
+    assert status in (200, 400, 404, 413, 415)
+    if status == 415:
+        assert "is not supported" in json.loads(data)["error"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(elements=st.lists(st.binary(max_size=12), min_size=1, max_size=6))
+def test_bytes_in_binary_come_back_exact_or_get_a_400(string_server, elements):
+    raw = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+    head = json.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [len(elements)],
+                                   "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    status, data = _send(string_server.port, "/v2/models/str_id1/infer", head + raw,
+                         {"Inference-Header-Content-Length": str(len(head))})
+    _assert_json_error(status, data)
+    try:
+        text = [e.decode("utf-8") for e in elements]
+    except UnicodeDecodeError:
+        assert status == 400 and "is not UTF-8 text" in json.loads(data)["error"]
+    else:
+        assert status == 200 and json.loads(data)["outputs"][0]["data"] == text
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(model=st.sampled_from(["str_id1", "str2f"]), text=st.lists(st.text(max_size=10), min_size=2, max_size=2),
+       datatype=st.sampled_from(["BYTES", "BYTES", "FP32", "BOOL"]))
+def test_bytes_in_json_never_5xx_and_text_comes_back_exact(string_server, model, text, datatype):
+    shape = [2] if model == "str_id1" else [1, 2]
+    body = json.dumps({"inputs": [{"name": "s", "datatype": datatype, "shape": shape, "data": text}]}).encode()
+    status, data = _send(string_server.port, f"/v2/models/{model}/infer", body, {})
+    _assert_json_error(status, data)
+    surrogates = any(0xD800 <= ord(c) <= 0xDFFF for t in text for c in t)
+    if model == "str_id1" and datatype == "BYTES" and not surrogates:
+        assert status == 200 and json.loads(data)["outputs"][0]["data"] == text
+
+
+def test_the_fuzzed_servers_logged_no_error(string_server, default_server):
+    for server in (string_server, default_server):
+        log = server.log()
+        assert " ERROR " not in log and "Traceback" not in log, log[-3000:]

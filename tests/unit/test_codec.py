@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from batcher.codec import (
+    LITERAL_RULES,
     InferRequest,
     InferResponse,
     RequestedOutput,
@@ -23,6 +24,7 @@ from batcher.codec import (
 from batcher.errors import InvalidInput
 from batcher.protocol import ShmInput, ShmRef
 from bench.sweep.requests import HEADER_LENGTH, build_request
+from engines.datatypes import NUMPY_DTYPES
 
 
 def _binary(inputs: list[tuple[dict, bytes]], **extra) -> tuple[bytes, str]:
@@ -107,13 +109,13 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
     "doc,fragment",
     [
         ({"inputs": [{"name": "a", "datatype": "INT8", "shape": [1], "data": [300]}]}, "out of range for INT8"),
-        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [1.5]}]}, "INT32 expects integers"),
-        ({"inputs": [{"name": "a", "datatype": "BOOL", "shape": [1], "data": [1]}]}, "BOOL expects true/false"),
+        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [1.5]}]}, "INT32 takes integer literals, got 1.5"),
+        ({"inputs": [{"name": "a", "datatype": "BOOL", "shape": [1], "data": [1]}]}, "BOOL takes true or false, got 1"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [[1], [2, 3]]}]}, "ragged"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, "integers from 0 to"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [0, 2**40], "data": []}]}, "integers from 0 to"),
         ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [10**9], "data": ["x"]}]}, "over the limit of"),
-        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "value 1e.39 is out of range for FP32"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "1e.39 is out of range for FP32"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
           "outputs": [{"name": "o"}, {"name": "o"}]}, "output 'o' is requested twice"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}, "needs data or"),
@@ -281,3 +283,75 @@ def test_shm_register_bodies():
 def test_bad_shm_register_bodies_are_400(kind, body, message):
     with pytest.raises(InvalidInput, match=re.escape(message)):
         decode_shm_register(kind, body)
+
+
+def _json_input(datatype: str, data_text: str, shape: list[int]) -> bytes:
+    """A request with the data written as literal JSON text (exactly what a client sends, no re-serialisation)."""
+    return ('{"inputs":[{"name":"a","datatype":"%s","shape":%s,"data":%s}]}' % (datatype, shape, data_text)).encode()
+
+
+@pytest.mark.parametrize("datatype,text,shape,expected", [
+    # issue 11: UINT64 >= 2**63 mixed with small values went through float64 and was refused
+    ("UINT64", "[1, 9223372036854775808, 18446744073709551615]", [3], [1, 2**63, 2**64 - 1]),
+    ("UINT64", "[[0, 18446744073709551614], [3, 9223372036854775809]]", [2, 2], [[0, 2**64 - 2], [3, 2**63 + 1]]),
+    ("INT64", "[-9223372036854775808, 9223372036854775807, 0]", [3], [-2**63, 2**63 - 1, 0]),
+    ("INT8", "[-128, 127]", [2], [-128, 127]),
+    ("FP16", "[65504, -65504.0, 65519, 0.5]", [4], [65504.0, -65504.0, 65504.0, 0.5]),  # 65519 rounds to 65504
+    ("FP32", "[3.4028235e38, 1, 2.5]", [3], [np.finfo(np.float32).max, 1.0, 2.5]),
+    ("FP64", "[18446744073709551615, 0.5]", [2], [float(2**64 - 1), 0.5]),
+    ("BOOL", "[true, false]", [2], [True, False]),
+])
+def test_every_datatype_takes_every_in_range_literal_exactly(datatype, text, shape, expected):
+    got = decode_request(_json_input(datatype, text, shape)).inputs["a"]
+    assert got.dtype == NUMPY_DTYPES[datatype] and got.shape == tuple(shape)
+    assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("datatype,text,message", [
+    # one rule for integer and float literals: 70000 became inf while 70000.0 was refused
+    ("FP16", "[1, 70000]", "input 'a'.data[1]: 70000 is out of range for FP16 (-65504.0 to 65504.0)"),
+    ("FP16", "[70000.0]", "input 'a'.data[0]: 70000.0 is out of range for FP16 (-65504.0 to 65504.0)"),
+    ("FP32", "[3.5e38]", "input 'a'.data[0]: 3.5e+38 is out of range for FP32"),
+    ("INT64", "[9223372036854775808]",
+     "input 'a'.data[0]: 9223372036854775808 is out of range for INT64 (-9223372036854775808 to 9223372036854775807)"),
+    ("UINT64", "[5, -1]", "input 'a'.data[1]: -1 is out of range for UINT64 (0 to 18446744073709551615)"),
+    ("UINT64", "[-1, 9223372036854775808]", "input 'a'.data[0]: -1 is out of range for UINT64"),
+    ("UINT64", "[18446744073709551616]", "data[0]: an integer literal beyond 64 bits (read as 1.8446744073709552e+19) "
+                                         "is out of range for UINT64 (0 to 18446744073709551615)"),
+    ("INT8", "[[1, 2], [3, 400]]", "input 'a'.data[3]: 400 is out of range for INT8 (-128 to 127)"),
+    # true/false are BOOL's only; numbers are not BOOL
+    ("FP32", "[1.5, true]", "input 'a'.data[1]: FP32 takes numbers, got true"),
+    ("INT64", "[true, 2]", "input 'a'.data[0]: INT64 takes integer literals, got true"),
+    ("FP32", "[false]", "input 'a'.data[0]: FP32 takes numbers, got false"),
+    ("BOOL", "[true, 1]", "input 'a'.data[1]: BOOL takes true or false, got 1"),
+    ("INT32", "[1.0]", "input 'a'.data[0]: INT32 takes integer literals, got 1.0"),
+    # messages show JSON, never numpy reprs such as np.float64(...) or np.str_('a')
+    ("INT8", '[1, "a"]', "input 'a'.data[1]: INT8 takes integer literals, got \"a\""),
+    ("FP32", "[null]", "input 'a'.data[0]: FP32 takes numbers, got null"),
+    ("UINT8", '[{"x": 1}]', "input 'a'.data[0]: UINT8 takes integer literals, got {\"x\":1}"),
+])
+def test_literal_rules_and_messages_show_the_literal_as_sent(datatype, text, message):
+    n = text.count(",") + 1
+    with pytest.raises(InvalidInput) as exc:
+        decode_request(_json_input(datatype, text, [n]))
+    assert message in exc.value.message
+    assert "np." not in exc.value.message
+
+
+def test_literal_rules_are_one_table_for_every_numeric_datatype():
+    assert set(LITERAL_RULES) == set(NUMPY_DTYPES) - {"BYTES"}
+    assert LITERAL_RULES["BOOL"][0] == "bool"
+    for name, (kind, lo, hi) in LITERAL_RULES.items():
+        dt = NUMPY_DTYPES[name]
+        if dt.kind in "iu":
+            assert (kind, lo, hi) == ("int", int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+        elif dt.kind == "f":
+            assert (kind, lo, hi) == ("number", -float(np.finfo(dt).max), float(np.finfo(dt).max))
+
+
+def test_a_shape_of_more_than_64_dimensions_is_a_400():
+    body = orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1] * 65, "data": [1.0]}]})
+    with pytest.raises(InvalidInput, match="65 dimensions, more than the 64"):
+        decode_request(body)
+    ok = orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1] * 64, "data": [1.0]}]})
+    assert decode_request(ok).inputs["a"].ndim == 64
