@@ -1,14 +1,17 @@
 """Executors: the thread that owns one execution context, and what it does with one batch.
 
-:func:`execute_batch` runs in the context's own thread (never on the event loop): it drops requests that would
-finish after their deadline, stacks the rest (into the context's pinned staging buffer where it has one), padded
-with zero rows up to the smallest allowed batch size that holds them, runs the engine once, drops the padding rows
-of the outputs and splits the rest into per-request views. It never raises: every request of the batch gets an
-outcome, outputs or a :class:`~batcher.errors.BatcherError`.
+A batch takes two steps, never on the event loop. :func:`stage_batch` drops requests that would finish after
+their deadline and stacks the rest (into the context's pinned staging buffer where it has one), padded with zero
+rows up to the smallest allowed batch size that holds them; :func:`run_batch`, on the context's own thread, runs
+the engine once, drops the padding rows of the outputs and splits the rest into per-request views. Neither
+raises: every request of the batch gets an outcome, outputs or a :class:`~batcher.errors.BatcherError`.
+:func:`execute_batch` does both in one call.
 
 :class:`ThreadExecutor` is the production hand-off: one single-thread pool per context, so a context is used by
-one thread at a time as the engine contract requires. The scheduler only needs ``submit(fn, *args) -> awaitable``
-and ``close()``, so tests can hand it an executor that runs batches inline on the event loop.
+one thread at a time as the engine contract requires; for a context with two staging buffers it stages the next
+batch on a second thread while the current one runs. The scheduler only needs ``submit(fn, *args) -> awaitable``
+and ``close()`` (and ``depth``/``stage`` for a pipeline), so tests can hand it an executor that runs batches on
+the event loop.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
+
+import numpy as np
 
 from engines.base import EngineError, EngineInputError, EngineUnavailable, ExecutionContext
 
@@ -44,9 +50,32 @@ class BatchResult:
     padded_rows: int = 0
 
 
-def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
-                  now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None) -> BatchResult:
-    """Run one batch on ``ctx`` (blocking; call it from the context's thread).
+@dataclass
+class Staged:
+    """A batch after its first step (:func:`stage_batch`): the requests that run, their stacked inputs, and the
+    answers of those dropped before execution.
+
+    Attributes:
+        slot: the context's staging buffer the inputs were stacked into (:attr:`ExecutionContext.staging_slots`).
+        inputs: the stacked, padded inputs (None when nothing runs or stacking failed: ``error``).
+        seconds: time spent stacking.
+    """
+
+    batch: Sequence[Pending]
+    live: list[Pending]
+    dropped: dict[int, BatcherError]
+    rows: int
+    pad: int
+    slot: int = 0
+    inputs: dict[str, np.ndarray] | None = None
+    seconds: float = 0.0
+    error: Exception | None = None
+
+
+def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
+                now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None,
+                slot: int = 0) -> Staged:
+    """The first step of a batch (blocking; any thread): drop what cannot finish in time, stack the rest.
 
     Args:
         batch: the requests, their inputs validated and of one shape key.
@@ -56,41 +85,69 @@ def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, b
             requests that can still make it.
         now: the clock deadlines are measured on (the event loop's, ``time.monotonic``).
         allowed: the model's allowed batch sizes (ascending; None: no padding): the rows that run are padded with
-            zero rows up to the smallest allowed size that holds them, and those rows' outputs are dropped.
+            zero rows up to the smallest allowed size that holds them.
+        slot: which of the context's staging buffers to stack into (``host_buffer(..., slot=slot)``).
     """
     finish = now() + (batch_s or 0.0)
-    results: dict[int, Any] = {}
+    dropped: dict[int, BatcherError] = {}
     live = []
     for p in batch:
         if p.deadline is not None and finish >= p.deadline:
-            results[id(p)] = DeadlineExceeded(
+            dropped[id(p)] = DeadlineExceeded(
                 f"model '{model}': deadline expired, or would before execution finished; not executed")
         else:
             live.append(p)
     rows = sum(p.rows for p in live)
-    pad = 0
-    t0 = t1 = t2 = t3 = 0.0
+    staged = Staged(batch, live, dropped, rows, 0, slot)
     if live:
         t0 = time.perf_counter()
         try:
-            pad = padded_size(rows, allowed) - rows
-            stacked = stack_inputs(live, ctx.host_buffer, rows + pad)
-            t1 = time.perf_counter()
-            outputs = ctx.execute(stacked)
+            staged.pad = padded_size(rows, allowed) - rows
+            staged.inputs = stack_inputs(live, _staging(ctx, slot), rows + staged.pad)
+        except (EngineError, ValueError) as exc:
+            staged.error = exc
+        staged.seconds = time.perf_counter() - t0
+    return staged
+
+
+def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequence[int] | None = None
+              ) -> BatchResult:
+    """The second step of a batch (blocking; the context's own thread): execute once, drop the padding rows of
+    the outputs and split the rest into per-request views. Never raises: every request gets its outputs or a
+    :class:`~batcher.errors.BatcherError`."""
+    live, rows, pad = staged.live, staged.rows, staged.pad
+    t1 = t2 = t3 = time.perf_counter()
+    parts: list = []
+    if live:
+        try:
+            if staged.error is not None:
+                raise staged.error
+            outputs = ctx.execute(staged.inputs)
             t2 = time.perf_counter()
             # the padding rows form a last share that nobody gets; the split checks every output has rows + pad
-            parts: list = split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)]
+            parts = split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)]
         except (EngineError, ValueError) as exc:
-            t1 = t2 = t1 or time.perf_counter()
+            t2 = time.perf_counter()
             if len(live) > 1 and not isinstance(exc, EngineUnavailable):
                 # one request's data may be what the engine rejected: run each alone so only that one fails
-                parts = [_run_alone(ctx, p, model, allowed) for p in live]
+                parts = [_run_alone(ctx, p, model, allowed, staged.slot) for p in live]
             else:
                 parts = [_failure(exc, model, rows)] * len(live)
         t3 = time.perf_counter()
-        for p, part in zip(live, parts):
-            results[id(p)] = part
-    return BatchResult([results[id(p)] for p in batch], (t1 - t0, t2 - t1, t3 - t2), rows, pad)
+    results: dict[int, Any] = {**staged.dropped, **{id(p): part for p, part in zip(live, parts)}}
+    return BatchResult([results[id(p)] for p in staged.batch], (staged.seconds, t2 - t1, t3 - t2), rows, pad)
+
+
+def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
+                  now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None) -> BatchResult:
+    """Both steps of a batch in one call (blocking; the context's thread): :func:`stage_batch` into staging
+    buffer 0, then :func:`run_batch`."""
+    return run_batch(ctx, stage_batch(ctx, batch, model, batch_s, now, allowed), model, allowed)
+
+
+def _staging(ctx: ExecutionContext, slot: int) -> Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None]:
+    """The ``buffer`` argument of :func:`stack_inputs` for staging buffer ``slot`` of ``ctx``."""
+    return ctx.host_buffer if slot == 0 else partial(ctx.host_buffer, slot=slot)
 
 
 def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
@@ -102,11 +159,13 @@ def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
     return ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")
 
 
-def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None) -> dict | BatcherError:
-    """One request of a failed batch, executed on its own (padded like any batch): its outputs, or its failure."""
+def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None,
+               slot: int = 0) -> dict | BatcherError:
+    """One request of a failed batch, executed on its own (padded like any batch, staged in the failed batch's
+    buffer): its outputs, or its failure."""
     pad = padded_size(p.rows, allowed) - p.rows
     try:
-        outputs = ctx.execute(stack_inputs([p], ctx.host_buffer, p.rows + pad))
+        outputs = ctx.execute(stack_inputs([p], _staging(ctx, slot), p.rows + pad))
         return split_outputs(outputs, [p.rows] + [pad] * bool(pad))[0]
     except (EngineError, ValueError) as exc:
         return _failure(exc, model, p.rows)
@@ -116,6 +175,8 @@ class Executor(Protocol):
     """How the scheduler hands a batch to the owner of one execution context."""
 
     context: ExecutionContext
+    #: batches it takes at once (optional; default 1): 2 when one can be staged while another runs
+    depth: int
 
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> Awaitable[BatchResult]:
         """Run ``fn(context, *args)`` where the context lives; the awaitable gives its result."""
@@ -125,18 +186,32 @@ class Executor(Protocol):
 
 
 class ThreadExecutor:
-    """One execution context and the single thread that uses it (engine contexts are not thread-safe)."""
+    """One execution context and the single thread that uses it (engine contexts are not thread-safe).
+
+    A context with two staging buffers (``staging_slots == 2``: a GPU context, whose execution runs on the device
+    while the host waits) gets a second thread that stages the next batch (:meth:`stage`: deadline checks,
+    stacking into the other pinned buffer) while the context's thread runs the current one, so the device is not
+    idle while a batch is copied together: :attr:`depth` 2, a two-stage pipeline.
+    """
 
     def __init__(self, context: ExecutionContext, name: str) -> None:
         self.context = context
         # A context bound to its own thread (a CUDA-graph context) runs its batches there: no hop per batch.
         self._own = context.executor is None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if self._own else context.executor
+        self.depth = 2 if getattr(context, "staging_slots", 1) >= 2 else 1
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-stage") if self.depth > 1 else None
 
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, self.context, *args)
 
+    def stage(self, fn: Callable[..., Staged], *args: Any) -> asyncio.Future:
+        """Run ``fn(context, *args)`` on the staging thread (the context's thread when there is none)."""
+        return asyncio.get_running_loop().run_in_executor(self._stager or self._pool, fn, self.context, *args)
+
     def close(self) -> None:
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
         if self._own:
             self._pool.shutdown(wait=True)
         self.context.release()

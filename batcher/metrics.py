@@ -159,3 +159,15 @@ class ModelMetrics:
     compute_infer: Counter
     compute_output: Counter
     padded_rows: Counter
+
+    def batch(self, rows: int, padded_rows: int, times: tuple[float, float, float]) -> None:
+        """One executed batch: ``rows`` requests' rows plus ``padded_rows``; seconds stacking, executing, splitting."""
+        t_input, t_infer, t_output = times
+        self.execution_count.inc()
+        self.inference_count.inc(rows)
+        self.batch_size.observe(rows)
+        self.compute_duration.observe(t_input + t_infer + t_output)
+        self.compute_input.inc(t_input)
+        self.compute_infer.inc(t_infer)
+        self.compute_output.inc(t_output)
+        self.padded_rows.inc(padded_rows)

@@ -4,7 +4,8 @@ Flow for one model::
 
     infer() --> bounded queue (max_queue_size requests; full -> 503 + Retry-After)
             --> batcher coroutine (:meth:`ModelRunner._batcher`): an idle executor, then a batch
-            --> the executor's thread (:func:`batcher.executor.execute_batch`): re-check deadlines, stack, run, split
+            --> the executor (:mod:`batcher.executor`): re-check deadlines, stack, run, split (for a GPU context
+                in two steps on two threads, so the next batch is stacked while the current one runs)
             --> each request's own future, settled exactly once, on the event loop
 
 The batcher loop, after Ray Serve's ``_BatchQueue.wait_for_batch``:
@@ -55,7 +56,7 @@ from .batching import (
 )
 from .config import ModelConfig
 from .errors import DeadlineExceeded, ExecutionFailed, Unavailable
-from .executor import BatchResult, Executor, execute_batch
+from .executor import BatchResult, Executor, execute_batch, run_batch, stage_batch
 from .metrics import ModelMetrics
 from .signature import ModelSignature
 from .stats import Stats
@@ -64,6 +65,13 @@ log = logging.getLogger(__name__)
 
 #: weight of the newest gap in the moving average of inter-arrival times (adaptive_queue_delay).
 GAP_EWMA_ALPHA = 0.2
+
+
+async def _pipelined(ex: Executor, args: tuple, slot: int) -> BatchResult:
+    """A batch through a two-stage executor: staged on its staging thread, then run on the context's thread.
+    ``args``: :func:`~batcher.executor.stage_batch`'s after the context (batch, model, estimate, clock, allowed)."""
+    staged = await ex.stage(stage_batch, *args, slot)
+    return await ex.submit(run_batch, staged, args[1], args[4])
 
 
 class ModelRunner:
@@ -81,9 +89,11 @@ class ModelRunner:
         self.metrics = metrics
         self.stats = stats if stats is not None else Stats()
         self._executors = list(executors)
-        self._idle: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(len(self._executors)):
-            self._idle.put_nowait(i)
+        # one token per batch an executor takes at once: (executor, staging slot); a pipelined executor has two
+        self._idle: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        for i, ex in enumerate(self._executors):
+            for slot in range(getattr(ex, "depth", 1)):
+                self._idle.put_nowait((i, slot))
         db = cfg.dynamic_batching
         self._delay_s = db.max_queue_delay_microseconds / 1e6
         self._max_batch = signature.max_batch_size
@@ -207,17 +217,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ batcher
     async def _batcher(self) -> None:
         while True:
-            idx = await self._idle.get()
+            token = await self._idle.get()
             try:
                 batch = await self._next_batch()
             except asyncio.CancelledError:
-                self._idle.put_nowait(idx)
+                self._idle.put_nowait(token)
                 raise
-            self._dispatch(idx, batch)
+            self._dispatch(token, batch)
             del batch  # this frame now waits for an idle executor: it must not keep the batch's inputs alive
 
-    def _dispatch(self, idx: int, batch: list[Pending]) -> None:
-        """Hand ``batch`` to executor ``idx``; :meth:`_finish` settles its requests."""
+    def _dispatch(self, token: tuple[int, int], batch: list[Pending]) -> None:
+        """Hand ``batch`` to executor ``token[0]`` (staging slot ``token[1]``); :meth:`_finish` settles it."""
         now = self._loop.time()
         for p in batch:
             p.state = State.EXECUTING  # its deadline timer stays armed (see _expire)
@@ -227,10 +237,14 @@ class ModelRunner:
         self._set_depth(self._depth - len(batch))
         self._queued_rows -= rows
         self._executing_rows += rows
-        fut = asyncio.ensure_future(self._executors[idx].submit(
-            execute_batch, batch, self.name, self.times.estimate(rows), self._loop.time, self._allowed))
+        ex, args = self._executors[token[0]], (batch, self.name, self.times.estimate(rows), self._loop.time,
+                                                self._allowed)
+        if getattr(ex, "depth", 1) > 1:  # staged on one thread while the last batch runs on the context's
+            fut = asyncio.ensure_future(_pipelined(ex, args, token[1]))
+        else:
+            fut = asyncio.ensure_future(ex.submit(execute_batch, *args))
         self._running.add(fut)
-        fut.add_done_callback(partial(self._finish, idx, batch))
+        fut.add_done_callback(partial(self._finish, token, batch))
 
     async def _next_batch(self) -> list[Pending]:
         while True:
@@ -255,9 +269,9 @@ class ModelRunner:
             except asyncio.TimeoutError:
                 pass
 
-    def _finish(self, idx: int, batch: list[Pending], fut: asyncio.Future) -> None:
+    def _finish(self, token: tuple[int, int], batch: list[Pending], fut: asyncio.Future) -> None:
         self._running.discard(fut)
-        self._idle.put_nowait(idx)
+        self._idle.put_nowait(token)
         self._executing_rows -= sum(p.rows for p in batch)
         if fut.cancelled():
             outcomes: list = [Unavailable(f"model '{self.name}' is shutting down")] * len(batch)
@@ -281,18 +295,9 @@ class ModelRunner:
                 p.future.set_result(out)
 
     def _record_batch(self, result: BatchResult, requests: int) -> None:
-        t_input, t_infer, t_output = result.times
-        m = self.metrics
-        m.execution_count.inc()
-        m.inference_count.inc(result.rows)
-        m.batch_size.observe(result.rows)
-        m.compute_duration.observe(t_input + t_infer + t_output)
-        m.compute_input.inc(t_input)
-        m.compute_infer.inc(t_infer)
-        m.compute_output.inc(t_output)
-        m.padded_rows.inc(result.padded_rows)
-        self.stats.batch(result.rows, requests, t_input, t_infer, t_output, result.padded_rows)
-        self.times.record(result.rows + result.padded_rows, t_input + t_infer + t_output)
+        self.metrics.batch(result.rows, result.padded_rows, result.times)
+        self.stats.batch(result.rows, requests, *result.times, result.padded_rows)
+        self.times.record(result.rows + result.padded_rows, sum(result.times))
 
     # ------------------------------------------------------------------ lifecycle
     async def close(self) -> None:

@@ -97,12 +97,17 @@ class ExecutionContext(abc.ABC):
         "batch_sizes": [1, 2, 4, 8, 16, 32], "precision": "tf32"}``."""
         return {}
 
-    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    #: how many host staging buffers :meth:`host_buffer` offers (``slot`` 0 .. staging_slots - 1). A context whose
+    #: execution runs on a device, asynchronously to the host, offers 2: the caller may stack the next batch into
+    #: one while the batch staged in the other is sent and executed (a two-stage pipeline).
+    staging_slots: int = 1
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
         """A writable host array for input ``name`` that :meth:`execute` reads without a further copy
         (a GPU context's pinned staging buffer), or None where the backend has none (CPU).
 
         The caller may stack a batch straight into it and pass it to :meth:`execute`; it stays valid until the
-        next call on this context.
+        next call on this context that uses the same ``slot`` (< :attr:`staging_slots`).
         """
         return None
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..base import EngineError
-from ..cuda import CAPTURE_GATE, Stream, set_device
+from ..cuda import CAPTURE_GATE, PinnedBuffer, Stream, set_device
 from . import cuda as _cuda
 from .cuda import CudaContext, CudaPlan, IOBuffers, check_rows, measured
 from .options import run_options
@@ -89,6 +89,7 @@ class CudaGraphContext(CudaContext):
         self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
         self._output_names = [o.name for o in plan.outputs]
         self._buffers = IOBuffers()
+        self._spare: dict[str, PinnedBuffer] = {}  # staging slot 1 (host_buffer(..., slot=1)), one per input
         self._stream: Stream | None = None
         self._session: Any = None
         self._bindings: dict[int, Any] = {}
@@ -109,7 +110,10 @@ class CudaGraphContext(CudaContext):
         with CAPTURE_GATE.shared():
             self._stream = Stream()
             for name, shape in (plan.static_shapes(self._sizes[-1]) or {}).items():
-                self._buffers.ensure(name, int(np.prod(shape)) * self._dtypes[name].itemsize)
+                nbytes = int(np.prod(shape)) * self._dtypes[name].itemsize
+                self._buffers.ensure(name, nbytes)
+                if name not in self._output_names:  # staging slot 1: the next batch is stacked here meanwhile
+                    self._spare[name] = PinnedBuffer(nbytes)
             self._session = plan.session(self._stream, graphs=True)
             for size in self._sizes:
                 self._bindings[size] = self._bind(size)
@@ -199,10 +203,14 @@ class CudaGraphContext(CudaContext):
     def executor(self) -> Executor | None:
         return self._thread.pool if self._thread is not None else None
 
-    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-        """A view of input ``name``'s pinned staging buffer (fixed, sized for the largest allowed batch), or ``None``
-        when ``name`` is no input, the dtype differs or the shape does not fit."""
-        pinned = self._buffers.pinned.get(name)
+    #: two pinned staging buffers per input: a batch can be stacked into one while the other is sent
+    staging_slots = 2
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
+        """A view of input ``name``'s pinned staging buffer ``slot`` (0 or 1; fixed, sized for the largest allowed
+        batch), or ``None`` when ``name`` is no input, the dtype differs or the shape does not fit. Both are
+        page-locked, so :meth:`execute` sends either straight to the device."""
+        pinned = (self._buffers.pinned if slot == 0 else self._spare).get(name)
         if pinned is None or name in self._output_names or np.dtype(dtype) != self._dtypes[name]:
             return None
         if int(np.prod(shape)) * np.dtype(dtype).itemsize > pinned.nbytes:
@@ -227,6 +235,9 @@ class CudaGraphContext(CudaContext):
             self._run_options.clear()
             self._session = None
             self._buffers.free()
+            for buf in self._spare.values():
+                buf.free()
+            self._spare.clear()
             if self._stream is not None:
                 self._stream.destroy()
                 self._stream = None

@@ -40,7 +40,9 @@ class FakeContext(ExecutionContext):
         self._batch_sizes = batch_sizes
         self._description = description or {}
         self._device_nbytes = device_nbytes
-        self._staging = np.full((max(batch_sizes), 4), np.nan, np.float32) if batch_sizes else None
+        # two staging buffers, like a GPU context (staging_slots 2); left dirty (NaN) between batches
+        self._staging = [np.full((max(batch_sizes), 4), np.nan, np.float32) for _ in range(2)] if batch_sizes else None
+        self.staging_slots = 2 if batch_sizes else 1
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fail is not None:
@@ -53,8 +55,8 @@ class FakeContext(ExecutionContext):
         self.inputs.append(x.copy())
         return {"y": x * 2}
 
-    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-        return None if self._staging is None else self._staging[: shape[0]]
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
+        return None if self._staging is None else self._staging[slot][: shape[0]]
 
     @property
     def batch_sizes(self) -> tuple[int, ...] | None:
@@ -129,6 +131,40 @@ class SleepExecutor:
     def close(self) -> None:
         self.closed = True
         self.context.release()
+
+
+class PipelineExecutor(SleepExecutor):
+    """A two-stage executor (``depth`` 2) on the event loop: staging (deadline checks, stacking) takes ``stage_s``
+    on one staging "thread", running takes ``seconds_per_row`` x rows on one "device"; a batch can be staged while
+    another runs, as :class:`batcher.executor.ThreadExecutor` does for a GPU context."""
+
+    depth = 2
+
+    def __init__(self, context: ExecutionContext, name: str = "fake", seconds_per_row: float = 0.001,
+                 stage_s: float = 0.001) -> None:
+        super().__init__(context, name, seconds_per_row)
+        self.stage_s = stage_s
+        self.slots: list[int] = []
+        self._stager: asyncio.Lock | None = None
+        self._device: asyncio.Lock | None = None
+
+    async def _stage(self, fn, args):
+        self._stager = self._stager or asyncio.Lock()
+        async with self._stager:
+            staged = fn(self.context, *args)
+            self.slots.append(staged.slot)
+            await asyncio.sleep(self.stage_s)
+            return staged
+
+    def stage(self, fn, *args: Any):
+        return asyncio.ensure_future(self._stage(fn, args))
+
+    async def _run(self, fn, args) -> BatchResult:
+        self._device = self._device or asyncio.Lock()
+        async with self._device:
+            result = await super()._run(fn, args)
+        result.times = (self.stage_s, result.times[1], 0.0)
+        return result
 
 
 def model_config(**kw: Any) -> ModelConfig:

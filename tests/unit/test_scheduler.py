@@ -10,7 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from fakes import FakeContext, SleepExecutor, model_config, rows, signature
+from fakes import FakeContext, PipelineExecutor, SleepExecutor, model_config, rows, signature
 
 from batcher.errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from batcher.metrics import Metrics
@@ -284,4 +284,20 @@ async def test_an_answered_request_keeps_nothing_of_its_inputs_alive():
     del x, out
     gc.collect()
     assert alive() is None
+    await r.close()
+
+
+async def test_a_two_stage_executor_stages_the_next_batch_while_one_runs():
+    """A GPU context's executor stages (4 ms) on one thread while the device runs the last batch (8 ms): 64 rows in
+    batches of 8 take 4 + 8 x 8 = 68 ms, the device never idle after the first stage (one stage at a time would
+    take 8 x 12 = 96 ms); the two staging slots alternate."""
+    cfg = model_config(max_batch_size=8)
+    ctx = FakeContext()
+    ex = PipelineExecutor(ctx, seconds_per_row=0.001, stage_s=0.004)
+    r = ModelRunner(cfg, signature(8), [ex], Metrics().for_model("m", "1"))
+    t0 = now()
+    outs = await asyncio.gather(*(submit(r, value=float(i)) for i in range(64)))
+    assert now() - t0 == pytest.approx(0.068)
+    assert ctx.batches == [8] * 8 and ex.slots == [0, 1] * 4
+    assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(64)]
     await r.close()
