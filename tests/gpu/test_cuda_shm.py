@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
+
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 
 def _gpus() -> int:
