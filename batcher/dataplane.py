@@ -183,14 +183,14 @@ class DataPlane:
     def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:
         """The one place an inference outcome is counted: ``reason`` None is a success."""
         elapsed = asyncio.get_running_loop().time() - received
-        m = self.metrics
+        outcomes = self.metrics.outcomes(slot.name, slot.version)
         if reason is None:
-            m.success.labels(slot.name, slot.version).inc()
-            m.request_duration.labels(slot.name, slot.version).observe(elapsed)
+            outcomes.success.inc()
+            outcomes.duration.observe(elapsed)
             slot.stats.success.add(elapsed)
             slot.stats.last_inference_ms = int(time.time() * 1e3)
         else:
-            m.failure.labels(slot.name, slot.version, reason).inc()
+            outcomes.failure(reason).inc()
             slot.stats.fail.add(elapsed)
 
     # ---------------------------------------------------------------- metadata

@@ -42,6 +42,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._outcomes: dict[tuple[str, str], Outcomes] = {}
         labels = ("model", "version")
         r = self.registry
         self.success = Counter(
@@ -127,6 +128,16 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,
         )
 
+    def outcomes(self, model: str, version: str) -> Outcomes:
+        """The outcome counters of one model version (children looked up once, then cached: this is per request)."""
+        key = (model, version)
+        found = self._outcomes.get(key)
+        if found is None:
+            found = self._outcomes[key] = Outcomes(self.success.labels(model, version),
+                                                   self.request_duration.labels(model, version),
+                                                   self.failure, key)
+        return found
+
     def for_model(self, model: str, version: str) -> ModelMetrics:
         """The execution-side children bound to one model version (label lookups done once, off the hot path)."""
         lv = (model, version)
@@ -142,6 +153,21 @@ class Metrics:
             queue_depth=self.queue_depth.labels(*lv),
             padded_rows=self.padded_rows.labels(*lv),
         )
+
+
+class Outcomes:
+    """One model version's request outcome metrics: success, its duration, failure by reason."""
+
+    def __init__(self, success: Counter, duration: Histogram, failure: Counter, labels: tuple[str, str]) -> None:
+        self.success, self.duration = success, duration
+        self._failure, self._labels = failure, labels
+        self._by_reason: dict[str, Counter] = {}
+
+    def failure(self, reason: str) -> Counter:
+        child = self._by_reason.get(reason)
+        if child is None:
+            child = self._by_reason[reason] = self._failure.labels(*self._labels, reason)
+        return child
 
 
 @dataclass

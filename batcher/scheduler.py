@@ -50,6 +50,7 @@ from .batching import (
     batch_is_full,
     plan_batch,
     priority_level,
+    urgency,
     shape_key,
     window_wait,
     worth_waiting,
@@ -104,6 +105,9 @@ class ModelRunner:
         self._default_level = db.default_priority_level or (db.priority_levels + 1) // 2
         self._starve_s = db.max_priority_wait_microseconds / 1e6 if db.priority_levels > 1 else None
         self._queue: list[Pending] = []
+        # the last queued request's urgency key while the queue is in urgency order (arrival order agrees with
+        # it: one level, deadlines as ordered as arrivals), None once it is not: plan_batch then needs no sort
+        self._tail: tuple | None = ()
         self._depth = 0
         self._queued_rows = 0
         self._executing_rows = 0
@@ -164,6 +168,9 @@ class ModelRunner:
         self._last_arrival = received
         if deadline is not None:
             p.timer = self._loop.call_at(deadline, self._expire, p)
+        if self._tail is not None:
+            key = urgency(p, received)
+            self._tail = key if self._starve_s is None and (not self._tail or key >= self._tail) else None
         self._queue.append(p)
         self._queued_rows += rows
         self._set_depth(self._depth + 1)
@@ -252,7 +259,10 @@ class ModelRunner:
             if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
                 self._queue = [p for p in self._queue if p.state is State.QUEUED]
             now = self._loop.time()
-            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s, self._allowed)
+            if not self._queue:
+                self._tail = ()  # an empty queue is in order
+            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s, self._allowed,
+                                     presorted=self._tail is not None)
             if not batch:
                 await self._wakeup.wait()
                 continue

@@ -119,3 +119,9 @@ def test_the_window_rounds_sub_microsecond_waits_to_zero():
     assert window_wait(0.1 + 0.2, 0.1, 0.2) == 0.0  # 0.1 + 0.2 - 0.30000000000000004 is not exactly 0
     assert window_wait(1.0, 1.0, 0.002) == pytest.approx(0.002)
     assert window_wait(1.0, 1.0, 0.002, earliest_deadline=1.0015, batch_seconds=0.001) == pytest.approx(0.0005)
+
+
+def test_a_presorted_queue_gives_the_same_batch_without_sorting():
+    q = [_pd(0.1 * i, deadline=5.0 + i) for i in range(6)]
+    q[1].state = State.DONE
+    assert plan_batch(q, 4, now=1.0, presorted=True) == plan_batch(list(reversed(q)), 4, now=1.0)

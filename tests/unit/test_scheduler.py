@@ -301,3 +301,22 @@ async def test_a_two_stage_executor_stages_the_next_batch_while_one_runs():
     assert ctx.batches == [8] * 8 and ex.slots == [0, 1] * 4
     assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(64)]
     await r.close()
+
+
+async def test_a_later_request_with_an_earlier_deadline_still_goes_first():
+    """The queue skips sorting while arrivals keep it in urgency order; a request that breaks the order (its
+    deadline before those queued ahead) is still served first."""
+    r, ctxs, _, _ = runner(seconds_per_row=0.100, max_batch_size=1, admission_control=False)
+    order: list[str] = []
+
+    async def tagged(tag: str, n: int = 1, timeout_s: float | None = None) -> None:
+        await submit(r, n, timeout_s=timeout_s)
+        order.append(tag)
+
+    first = asyncio.ensure_future(tagged("running"))
+    await asyncio.sleep(0)
+    late = [asyncio.ensure_future(tagged(f"late{i}", timeout_s=10.0 + i)) for i in range(3)]
+    urgent = asyncio.ensure_future(tagged("urgent", timeout_s=1.0))
+    await asyncio.gather(first, *late, urgent)
+    assert order == ["running", "urgent", "late0", "late1", "late2"]
+    await r.close()
