@@ -224,7 +224,7 @@ def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | N
         if cfg.mode == "multiproc":
             from engines.multiproc import MultiprocEngine
 
-            return MultiprocEngine(path, on_restart=on_restart, **options)
+            return MultiprocEngine(path, on_restart=on_restart, label=cfg.name, **options)
         from engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(path, **options)
