@@ -35,7 +35,7 @@ from .routing import Router
 from .scheduler import ModelRunner
 from .shm import SharedMemoryRegistry
 from .signature import ModelSignature
-from .triton_config import PLATFORMS, model_config_json
+from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
 
@@ -267,13 +267,32 @@ class DataPlane:
             raise ModelNotFound(f"unknown model '{model}'; models: {sorted(self.repository.slots)}")
         return [s for s in self.repository.slots[model].values() if s.selected]
 
-    async def load(self, model: str) -> None:
-        """Load every served version of ``model``. Raises ModelNotFound; InvalidInput when it fails to load."""
-        for slot in self.repository_slots(model):
-            try:
-                await self.repository.load(slot)
-            except ConfigError as exc:
-                raise InvalidInput(f"model '{slot.name}' failed to load: {exc}") from None
+    async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        """Load every served version of ``model``; with ``config`` (Triton's model-config JSON, a load's
+        ``parameters.config``) apply it first (:func:`batcher.triton_config.apply_model_config`): a version whose
+        config changes is reloaded, requests in flight finishing on the old load
+        (:meth:`ModelRepository.reload`).
+
+        Raises:
+            ModelNotFound; InvalidInput: the config is refused (nothing changed), or a version fails to load.
+        """
+        slots = self.repository_slots(model)
+        try:
+            if config is None:
+                for slot in slots:
+                    await self.repository.load(slot)
+                return
+            for slot in slots:
+                if slot.last_signature is None:  # never loaded: its tensors are needed to apply the config
+                    await self.repository.load(slot)
+            new = [apply_model_config(slot.cfg, slot.last_signature, config) for slot in slots]  # all or none
+            for slot, cfg in zip(slots, new):
+                if cfg == slot.cfg:
+                    await self.repository.load(slot)
+                else:
+                    await self.repository.reload(slot, cfg)
+        except ConfigError as exc:
+            raise InvalidInput(f"model '{model}' failed to load: {exc}") from None
 
     async def unload(self, model: str) -> None:
         """Unload every served version of ``model`` (requests in flight finish first). Raises ModelNotFound."""
