@@ -11,6 +11,7 @@ import urllib.request
 import aiohttp
 import numpy as np
 import orjson
+from helpers import infer_kwargs
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8,
        "dynamic_batching": {"admission_control": False, "default_queue_policy": {"max_queue_size": 2}}}
@@ -18,14 +19,8 @@ REC = {"name": "rec_raw", "path": "zoo:ppocr_rec", "max_batch_size": 4}  # no de
 REASONS = {400: "invalid", 503: "rejected", 504: "timeout", 500: "backend", "canceled": "canceled"}
 
 
-def _binary(rows: int, timeout_us: int | None = None, dtype: str = "FP32") -> dict:
-    x = np.ones((rows, 3, 224, 224), np.float32)
-    head = {"inputs": [{"name": "input", "datatype": dtype, "shape": list(x.shape),
-                        "parameters": {"binary_data_size": x.nbytes}}], "parameters": {"binary_data_output": True}}
-    if timeout_us:
-        head["parameters"]["timeout"] = timeout_us
-    h = orjson.dumps(head)
-    return {"data": h + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(h))}}
+def _binary(rows: int, timeout_us: int | None = None, dtype=np.float32) -> dict:
+    return infer_kwargs(np.ones((rows, 3, 224, 224), dtype), timeout_us=timeout_us)
 
 
 def _rec(height: int) -> dict:
@@ -62,7 +57,7 @@ async def test_statistics_and_prometheus_count_every_outcome_once_and_agree(star
 
         labels = {"model": "mid_cnn", "version": "1"}
         assert await post("mid_cnn", _binary(1)) == 200
-        assert await post("mid_cnn", _binary(1, dtype="FP16")) == 400  # wrong datatype
+        assert await post("mid_cnn", _binary(1, dtype=np.float16)) == 400  # wrong datatype
         assert await post("mid_cnn", {"data": b"{not json"}) == 400  # undecodable body
         assert await post("mid_cnn", _binary(9)) == 400  # more rows than max_batch_size
         assert await post("mid_cnn", _binary(1, timeout_us=1)) == 504  # its deadline passed on arrival

@@ -12,17 +12,14 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as http
+from helpers import infer_kwargs
 from tritonclient.utils import InferenceServerException
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
 
 
 def _binary(rows: int) -> dict:
-    x = np.ones((rows, 3, 224, 224), np.float32)
-    head = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
-                                     "parameters": {"binary_data_size": x.nbytes}}],
-                         "parameters": {"binary_data_output": True}})
-    return {"data": head + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(head))}}
+    return infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, dict | list]:
