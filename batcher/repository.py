@@ -25,6 +25,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from engines.memory import rss_bytes
 from engines.zoo import ZooError, resolve
@@ -185,7 +186,10 @@ class ModelRepository(ModelSlots):
         self.lifecycle = LifecycleEvents(metrics)
         self._restarts = metrics.worker_restart
         self._lock = asyncio.Lock()  # one load or unload at a time
-        self._closed = False
+        # every load in one thread: glibc gives each thread its own heap arena, and a load reuses the heap that an
+        # evicted model freed only in the arena that model was loaded in
+        self._loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
+        self.closed = False  # set once close() began: no more loads
         if self.budget is not None:
             metrics.memory_budget.set(self.budget.budget_bytes)
         self._update_memory()
@@ -215,13 +219,10 @@ class ModelRepository(ModelSlots):
 
     async def close(self) -> None:
         """Stop every model: queued requests get 503, running batches finish, memory is released."""
-        self._closed = True
+        self.closed = True
         slots = [s for s in self.all() if s.runner is not None or s.loaded is not None]
         await asyncio.gather(*(self._stop(s) for s in slots))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        self._loading.shutdown(wait=False)
 
     def start_load(self, slot: ModelSlot) -> None:
         """Start loading an UNAVAILABLE ``slot`` (state LOADING; ``slot.task`` is the load)."""
@@ -276,7 +277,8 @@ class ModelRepository(ModelSlots):
         """Load ``cfg`` in a worker thread; returns it and the resident memory before (bytes)."""
         rss0 = rss_bytes()
         restarts = self._restarts.labels(slot.name, slot.version)
-        return await asyncio.to_thread(self._loader, cfg, slot.where, restarts.inc), rss0
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._loading, self._loader, cfg, slot.where, restarts.inc), rss0
 
     async def _attach(self, slot: ModelSlot, loaded: Loaded) -> None:
         """Make ``loaded`` what serves ``slot``: its memory figures, then the load hooks (which attach its runner).
@@ -310,7 +312,7 @@ class ModelRepository(ModelSlots):
         """
         await self.load(slot)
         async with self._lock:
-            if slot.state != READY or self._closed:
+            if slot.state != READY or self.closed:
                 raise Unavailable(f"model '{slot.name}' was unloaded during its reload", retry_after_s=1)
             old = slot.cfg, slot.loaded, slot.runner, slot.measured_bytes
             loaded, rss0 = await self._open(slot, cfg)
@@ -355,8 +357,9 @@ class ModelRepository(ModelSlots):
                                           idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
         except NoRoom as exc:
             raise Unavailable(str(exc), retry_after_s=1) from None
-        # The newcomer reuses the freed heap: giving it back to the OS first would make its load fault every page
-        # in again (~1.5x the load's time). Only a first load, whose growth is measured, needs a trimmed heap.
+        # The heap an evicted model freed is kept for the newcomer (and later loads): giving it back to the OS
+        # made a reload fault every page in again (1.4-1.8x ONNX Runtime's own time). Only a first load, whose
+        # growth is what it counts, gets a trimmed heap.
         trim = newcomer.measured_bytes is None
         for victim in victims:
             await self._unload(victim, f"evicted (lru) to make room for {newcomer.name}", kind="evict", trim=trim)
