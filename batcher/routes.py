@@ -21,7 +21,7 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .bodies import read_body
-from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response
+from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
 from .errors import InvalidInput, ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
@@ -166,17 +166,6 @@ def _repository(request: web.Request) -> None:
             raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>")
 
 
-def _json_object(raw: bytes | str, what: str) -> dict:
-    """Parse a JSON object. Raises InvalidInput naming ``what`` when it is not JSON or not an object."""
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"{what} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput(f"{what}: expected a JSON object, got {type(doc).__name__}")
-    return doc
-
-
 async def _repository_body(request: web.Request, what: str) -> dict:
     """A repository request's body: a JSON object, or nothing (``{}``). Keys the extension does not define are
     ignored, as Triton does; ``parameters`` must be an object.
@@ -189,7 +178,7 @@ async def _repository_body(request: web.Request, what: str) -> dict:
     raw = await read_body(request, server.max_body_bytes, server.read_timeout_s)
     if not raw.strip():
         return {}
-    doc = _json_object(raw, f"{what}: the body")
+    doc = json_object(raw, f"{what}: the body")
     if not isinstance(doc.get("parameters", {}), dict):
         raise InvalidInput(f"{what}: parameters: expected an object, got {type(doc['parameters']).__name__}")
     return doc
@@ -231,7 +220,7 @@ async def repository_load(request: web.Request) -> web.Response:
         if not isinstance(config, str):
             raise InvalidInput("load: parameters.config: expected a string holding the model-config JSON, got "
                                f"{type(config).__name__}")
-        config = _json_object(config, "load: parameters.config")
+        config = json_object(config, "load: parameters.config")
     await request.app[DATAPLANE].load(request.match_info["model"], config)
     return _json({})
 

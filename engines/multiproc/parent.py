@@ -138,20 +138,22 @@ class MultiprocContext(ExecutionContext):
         self._watcher = threading.Thread(target=self._watch, name=f"watch-{owner.label}", daemon=True)
         self._watcher.start()
 
+    def _reported(self, key: str) -> Any:
+        """What the live worker reported when it started (None while there is none)."""
+        worker = self._worker
+        return worker.info[key] if worker is not None else None
+
     @property
     def pid(self) -> int | None:
-        worker = self._worker
-        return worker.pid if worker is not None else None
+        return self._reported("pid")
 
     @property
     def nbytes(self) -> int:
-        worker = self._worker
-        return worker.info["context_bytes"] if worker is not None else 0
+        return self._reported("context_bytes") or 0
 
     @property
     def device_nbytes(self) -> int:
-        worker = self._worker
-        return worker.info["device_bytes"] if worker is not None else 0
+        return self._reported("device_bytes") or 0
 
     @property
     def batch_sizes(self) -> tuple[int, ...] | None:
