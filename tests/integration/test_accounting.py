@@ -11,7 +11,7 @@ import urllib.request
 import aiohttp
 import numpy as np
 import orjson
-from helpers import infer_kwargs
+from helpers import dispatched, infer_kwargs, queued, until
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8,
        "dynamic_batching": {"admission_control": False, "default_queue_policy": {"max_queue_size": 2}}}
@@ -26,14 +26,6 @@ def _binary(rows: int, timeout_us: int | None = None, dtype=np.float32) -> dict:
 def _rec(height: int) -> dict:
     return {"json": {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, height, 64],
                                  "data": [0.5] * (3 * height * 64)}]}}
-
-
-async def _until(predicate, timeout_s: float = 120.0) -> None:
-    """Wait for the server to reach a state (event ordering, polled; the bound only stops a broken run)."""
-    end = asyncio.get_running_loop().time() + timeout_s
-    while not await asyncio.to_thread(predicate):
-        assert asyncio.get_running_loop().time() < end, "the server never got there"
-        await asyncio.sleep(0.005)
 
 
 def _outcomes(server, model: str) -> dict:
@@ -55,7 +47,6 @@ async def test_statistics_and_prometheus_count_every_outcome_once_and_agree(star
                 seen[model][r.status] += 1
                 return r.status
 
-        labels = {"model": "mid_cnn", "version": "1"}
         assert await post("mid_cnn", _binary(1)) == 200
         assert await post("mid_cnn", _binary(1, dtype=np.float16)) == 400  # wrong datatype
         assert await post("mid_cnn", {"data": b"{not json"}) == 400  # undecodable body
@@ -64,22 +55,22 @@ async def test_statistics_and_prometheus_count_every_outcome_once_and_agree(star
         assert await post("nope", _binary(1)) == 404  # unknown model: counted nowhere
         # a slow batch executes; behind it two requests fill the queue, three more find it full, one client leaves
         slow = asyncio.create_task(post("mid_cnn", _binary(8)))  # ~0.5 s on one thread
-        await _until(lambda: server.metric("batcher_queue_duration_seconds_count", **labels) == 2)  # dispatched
+        await until(lambda: dispatched(server, "mid_cnn") == 2)  # executing
         leaving = asyncio.create_task(post("mid_cnn", _binary(1)))
-        await _until(lambda: server.metric("batcher_queue_depth", **labels) == 1)
-        queued = asyncio.create_task(post("mid_cnn", _binary(1)))
-        await _until(lambda: server.metric("batcher_queue_depth", **labels) == 2)
+        await until(lambda: queued(server, "mid_cnn") == 1)
+        waiting = asyncio.create_task(post("mid_cnn", _binary(1)))
+        await until(lambda: queued(server, "mid_cnn") == 2)
         assert await asyncio.gather(*(post("mid_cnn", _binary(1)) for _ in range(3))) == [503] * 3  # queue full
         leaving.cancel()  # closes the connection while its request is queued
         await asyncio.gather(leaving, return_exceptions=True)
-        assert await slow == 200 and await queued == 200
+        assert await slow == 200 and await waiting == 200
         # 100 ms deadline on a batch of ~0.5 s: 504 at the deadline (or dropped before running, as too late)
         assert await post("mid_cnn", _binary(8, timeout_us=100_000)) == 504
         # an engine error: 500 for its batch only
         statuses = await asyncio.gather(post("rec_raw", _rec(96)), post("rec_raw", _rec(48)))
         assert sorted(statuses) == [200, 500]
     seen["mid_cnn"]["canceled"] = 1
-    await _until(lambda: _outcomes(server, "mid_cnn")["canceled"] == 1)  # the cancel reaches the handler later
+    await until(lambda: _outcomes(server, "mid_cnn")["canceled"] == 1)  # the cancel reaches the handler later
     with urllib.request.urlopen(f"{server.base}/v2/models/stats") as r:
         stats = {m["name"]: m for m in orjson.loads(r.read())["model_stats"]}
     assert seen.pop("nope") == {404: 1}

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import orjson
-from helpers import infer_kwargs
+from helpers import infer_kwargs, until
 
 SHM = Path("/dev/shm")
 
@@ -48,18 +47,6 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120.0):
-    """Poll until ``predicate()`` is truthy (event ordering: the test waits for the server to report a state,
-    it does not guess how long that takes)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def test_killed_worker_fails_its_batch_with_503_is_restarted_and_others_keep_serving(start_server, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -80,7 +67,7 @@ async def test_killed_worker_fails_its_batch_with_503_is_restarted_and_others_ke
         idle = _cpu_ticks(pid)
         running = asyncio.create_task(infer("mid_cnn", 8))  # ~0.5 s of CPU in the worker
         # the worker has taken the batch once it has burnt 50 ms of CPU on it
-        await asyncio.to_thread(_wait_for, lambda: _cpu_ticks(pid) >= idle + 5, "the worker to execute")
+        await until(lambda: _cpu_ticks(pid) >= idle + 5)
         assert not running.done()
         os.kill(pid, signal.SIGKILL)
         status, retry_after, body = await running
@@ -123,10 +110,9 @@ async def test_idle_deaths_are_logged_restarted_before_the_next_request_and_leak
             pids.append(pid)
             os.kill(pid, signal.SIGKILL)
             line = f"worker process {pid} of model tiny_cnn died while idle (exit code -9, SIGKILL)"
-            await asyncio.to_thread(_wait_for, lambda: line in server.log(), "the death to be logged")
+            await until(lambda: line in server.log())
             if n < 4:  # no request: the watcher restarts it
-                await asyncio.to_thread(_wait_for, lambda: server.metric(
-                    "batcher_worker_restart_total", model="tiny_cnn", version="1") == n, f"restart {n}")
+                await until(lambda: server.metric("batcher_worker_restart_total", model="tiny_cnn", version="1") == n)
                 assert _index(server)["tiny_cnn"]["worker_pids"] != [pid]
             else:  # a request at once, while the restart is pending: it waits for the new worker
                 status, body = await infer()

@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as http
-from helpers import infer_kwargs
+from helpers import infer_kwargs, queued, until
 from tritonclient.utils import InferenceServerException
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
@@ -105,8 +105,7 @@ async def test_a_load_with_a_triton_config_applies_it_without_dropping_requests_
 
         # 4 batches of 8 rows queue up (~2 s of work on one thread), then the reload comes
         in_flight = [asyncio.create_task(infer(8)) for _ in range(4)]
-        while server.metric("batcher_queue_depth", **labels) < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: queued(server, "mid_cnn") == 3)
         new = {**config, "max_batch_size": 4, "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
                "dynamic_batching": {**config["dynamic_batching"], "max_queue_delay_microseconds": 20_000,
                                     "default_queue_policy": {"max_queue_size": 7}},
