@@ -76,11 +76,7 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def json_object(raw: bytes | memoryview | str, what: str) -> dict[str, Any]:
-    """Parse a JSON object.
-
-    Raises:
-        InvalidInput: not JSON, or not an object (the message names ``what``).
-    """
+    """``raw`` parsed as a JSON object. Raises InvalidInput naming ``what``: not JSON, or not an object."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -50,6 +50,28 @@ def request_deadline(received: float, timeout_us: int | None, default_timeout_s:
     return None
 
 
+async def load_versions(repository: ModelRepository, slots: list[ModelSlot], config: dict[str, Any] | None) -> None:
+    """Load ``slots``; with ``config`` (Triton's model-config JSON, a repository load's ``parameters.config``)
+    applied first to every one (:func:`batcher.triton_config.apply_model_config`, all or none): a version whose
+    config changes is reloaded, its requests in flight finishing on the old load (:meth:`ModelRepository.reload`).
+
+    Raises:
+        InvalidInput: the config is refused. ConfigError: a version fails to load.
+    """
+    if config is not None:
+        for slot in slots:
+            if slot.last_signature is None:  # never loaded: its tensors are needed to apply the config
+                await repository.load(slot)
+        configs = [apply_model_config(slot.cfg, slot.last_signature, config) for slot in slots]
+    else:
+        configs = [slot.cfg for slot in slots]
+    for slot, cfg in zip(slots, configs):
+        if cfg == slot.cfg:
+            await repository.load(slot)
+        else:
+            await repository.reload(slot, cfg)
+
+
 class DataPlane:
     """Inference, metadata, statistics and repository calls over one :class:`ModelRepository`."""
 
@@ -268,29 +290,13 @@ class DataPlane:
         return [s for s in self.repository.slots[model].values() if s.selected]
 
     async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
-        """Load every served version of ``model``; with ``config`` (Triton's model-config JSON, a load's
-        ``parameters.config``) apply it first (:func:`batcher.triton_config.apply_model_config`): a version whose
-        config changes is reloaded, requests in flight finishing on the old load
-        (:meth:`ModelRepository.reload`).
+        """Load every served version of ``model``, with ``config`` applied first (:func:`load_versions`).
 
         Raises:
             ModelNotFound; InvalidInput: the config is refused (nothing changed), or a version fails to load.
         """
-        slots = self.repository_slots(model)
         try:
-            if config is None:
-                for slot in slots:
-                    await self.repository.load(slot)
-                return
-            for slot in slots:
-                if slot.last_signature is None:  # never loaded: its tensors are needed to apply the config
-                    await self.repository.load(slot)
-            new = [apply_model_config(slot.cfg, slot.last_signature, config) for slot in slots]  # all or none
-            for slot, cfg in zip(slots, new):
-                if cfg == slot.cfg:
-                    await self.repository.load(slot)
-                else:
-                    await self.repository.reload(slot, cfg)
+            await load_versions(self.repository, self.repository_slots(model), config)
         except ConfigError as exc:
             raise InvalidInput(f"model '{model}' failed to load: {exc}") from None
 

@@ -314,20 +314,25 @@ class ModelRepository(ModelSlots):
         async with self._lock:
             if slot.state != READY or self.closed:
                 raise Unavailable(f"model '{slot.name}' was unloaded during its reload", retry_after_s=1)
-            old = slot.cfg, slot.loaded, slot.runner, slot.measured_bytes
+            kept = ("cfg", "loaded", "runner", "measured_bytes", "footprint_bytes", "device_bytes")
+            old = {k: getattr(slot, k) for k in kept}
             loaded, rss0 = await self._open(slot, cfg)
             slot.cfg, slot.measured_bytes = cfg, None
             try:
                 await self._attach(slot, loaded)
             except BaseException:
-                slot.cfg, slot.loaded, slot.runner, slot.measured_bytes = old
+                for k, v in old.items():
+                    setattr(slot, k, v)
                 raise
             self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
-        if old[2] is not None:
+        runner = old["runner"]
+        if runner is not None:
             log.info("reloaded model %s version %s; %d queued request(s) finish on the old load", slot.name,
-                     slot.version, old[2].queue_depth)
-            await old[2].drain()
-        await asyncio.to_thread(old[1].release)
+                     slot.version, runner.queue_depth)
+            while runner.queue_depth:  # requests queued there run there (none can join: they go to the new one)
+                await asyncio.sleep(0.005)
+            await runner.close()  # which lets the batches executing there finish
+        await asyncio.to_thread(old["loaded"].release)
         await asyncio.to_thread(trim_heap)
         self._update_memory()
 

@@ -311,13 +311,6 @@ class ModelRunner:
         self.times.record(result.rows + result.padded_rows, sum(result.times))
 
     # ------------------------------------------------------------------ lifecycle
-    async def drain(self, poll_s: float = 0.005) -> None:
-        """Let every request already queued or executing finish here, then :meth:`close` (a reload: new requests
-        go to the new runner meanwhile, none to this one)."""
-        while self._depth or self._running:
-            await asyncio.sleep(poll_s)
-        await self.close()
-
     async def close(self) -> None:
         """Stop batching, answer queued requests 503, let executing batches finish, release the executors."""
         self._closing = True
