@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from . import __version__
@@ -119,6 +120,25 @@ def _zoo() -> int:
     return 0
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: an ephemeral one), not yet listening: the server binds before
+    any model loads, so a port in use is reported at once; it listens once the models are loaded.
+
+    Raises:
+        OSError: the address cannot be resolved or bound (e.g. the port is in use).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does on Unix
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _serve(config, args) -> int:
     from aiohttp import web
 
@@ -133,13 +153,18 @@ def _serve(config, args) -> int:
     )
     log = logging.getLogger("batcher")
     try:
+        sock = bind_socket(server.host, server.port)
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", server.host, server.port, exc.strerror or exc)
+        return 1
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    try:
         web.run_app(
             create_app(config),
-            host=server.host,
-            port=server.port,
+            sock=sock,
+            print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", host, port),
             access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
-            print=lambda _msg: log.info(
-                "serving KServe v2 on http://%s:%s", server.host, server.port or "<ephemeral port>"),
             handle_signals=True,
             handler_cancellation=True,  # a client that goes away cancels its handler: queued work is dropped
             shutdown_timeout=server.shutdown_grace_s,
@@ -147,9 +172,8 @@ def _serve(config, args) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    except OSError as exc:
-        log.error("cannot serve on %s:%d: %s", server.host, server.port, exc)
-        return 1
+    finally:
+        sock.close()
     log.info("stopped")
     return 0
 

@@ -75,14 +75,14 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
     return p
 
 
-def _json_object(raw: bytes | memoryview, where: str) -> dict[str, Any]:
-    """``raw`` parsed as a JSON object. Raises InvalidInput: not JSON, or not an object."""
+def json_object(raw: bytes | memoryview | str, what: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object. Raises InvalidInput naming ``what``: not JSON, or not an object."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"{where} is not valid JSON: {exc}") from None
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise InvalidInput(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        raise InvalidInput(f"{what}: expected a JSON object, got {type(doc).__name__}")
     return doc
 
 
@@ -302,7 +302,7 @@ def decode_request(
             raise InvalidInput(f"{HEADER_LENGTH}: {n} is outside the body's {len(body)} bytes")
         view = memoryview(body)
         json_part, binary = view[:n], view[n:]
-    doc = _json_object(json_part, "request body")
+    doc = json_object(json_part, "request body")
     req_params = _params(doc, "request")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -489,7 +489,7 @@ def decode_shm_register(kind: str, body: bytes) -> dict[str, Any]:
         InvalidInput: not a JSON object, a field missing or of the wrong type, a handle that is not 64 bytes.
     """
     where = f"{kind} shared memory register request"
-    doc = _json_object(body, where)
+    doc = json_object(body, where)
     allowed = {"system": ("key", "offset", "byte_size"), "cuda": ("raw_handle", "device_id", "byte_size")}[kind]
     if unknown := sorted(set(doc) - set(allowed)):
         raise InvalidInput(f"{where}: unknown field(s) {unknown}; fields: {', '.join(allowed)}")

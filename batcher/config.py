@@ -49,11 +49,10 @@ class _Strict(BaseModel):
 class InputConfig(_Strict):
     """Declares or narrows a model input, like Triton's ``input { name dims }``.
 
-    ``dims`` excludes the batch dimension; ``-1`` leaves a dimension dynamic. ``warmup_dims`` gives the sizes
-    used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``). ``warmup_data`` gives sample
-    values for the warm-up run, repeated row-major to fill the input (JSON literals as a request's ``data``
-    takes them: strings for BYTES; default: zeros, and ``"0"`` for BYTES, text most string-parsing models accept).
-    """
+    ``dims`` excludes the batch dimension (max_batch_size 0: the full shape); ``-1`` leaves a dimension dynamic.
+    ``warmup_dims`` gives the sizes used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``).
+    ``warmup_data`` gives sample values for the warm-up run, repeated row-major to fill the input (JSON literals
+    as a request's ``data`` takes them: strings for BYTES; default: zeros, and ``"0"`` for BYTES)."""
 
     name: str
     dims: list[int] | None = None
@@ -211,8 +210,9 @@ class ModelConfig(_Strict):
     instance_group: list[InstanceGroup] = Field([InstanceGroup()], min_length=1)
     #: intra-op threads of each ONNX Runtime context; 0 lets ONNX Runtime use every core.
     intra_op_threads: int = Field(1, ge=0, le=256)
-    #: rows per batch at most; default: the engine's optimization profile maximum, else 8.
-    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    #: rows per batch at most; default: the engine's profile maximum, else 8. 0 (Triton's meaning; the default for
+    #: a fixed first dim): no batch dimension, inputs are full shapes, each request executes alone.
+    max_batch_size: int | None = Field(None, ge=0, le=4096)
     dynamic_batching: DynamicBatching = DynamicBatching()
     inputs: list[InputConfig] = []
     #: batch sizes each context runs once at load, before the model is ready; default: every size from 1 to
@@ -305,6 +305,9 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         preferred = self.dynamic_batching.preferred_batch_size
+        if self.max_batch_size == 0 and (preferred or self.dynamic_batching.max_queue_delay_microseconds):
+            raise ValueError("max_batch_size 0 (no batch dimension) runs each request alone: dynamic_batching."
+                             "preferred_batch_size and max_queue_delay_microseconds need max_batch_size >= 1")
         if self.max_batch_size is not None and any(p > self.max_batch_size for p in preferred):
             raise ValueError(
                 f"dynamic_batching.preferred_batch_size {preferred} exceeds max_batch_size {self.max_batch_size}"

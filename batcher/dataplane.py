@@ -35,7 +35,7 @@ from .routing import Router
 from .scheduler import ModelRunner
 from .shm import SharedMemoryRegistry
 from .signature import ModelSignature
-from .triton_config import PLATFORMS, model_config_json
+from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
 
@@ -48,6 +48,28 @@ def request_deadline(received: float, timeout_us: int | None, default_timeout_s:
     if default_timeout_s:
         return received + default_timeout_s
     return None
+
+
+async def load_versions(repository: ModelRepository, slots: list[ModelSlot], config: dict[str, Any] | None) -> None:
+    """Load ``slots``; with ``config`` (Triton's model-config JSON, a repository load's ``parameters.config``)
+    applied first to every one (:func:`batcher.triton_config.apply_model_config`, all or none): a version whose
+    config changes is reloaded, its requests in flight finishing on the old load (:meth:`ModelRepository.reload`).
+
+    Raises:
+        InvalidInput: the config is refused. ConfigError: a version fails to load.
+    """
+    if config is not None:
+        for slot in slots:
+            if slot.last_signature is None:  # never loaded: its tensors are needed to apply the config
+                await repository.load(slot)
+        configs = [apply_model_config(slot.cfg, slot.last_signature, config) for slot in slots]
+    else:
+        configs = [slot.cfg for slot in slots]
+    for slot, cfg in zip(slots, configs):
+        if cfg == slot.cfg:
+            await repository.load(slot)
+        else:
+            await repository.reload(slot, cfg)
 
 
 class DataPlane:
@@ -267,13 +289,16 @@ class DataPlane:
             raise ModelNotFound(f"unknown model '{model}'; models: {sorted(self.repository.slots)}")
         return [s for s in self.repository.slots[model].values() if s.selected]
 
-    async def load(self, model: str) -> None:
-        """Load every served version of ``model``. Raises ModelNotFound; InvalidInput when it fails to load."""
-        for slot in self.repository_slots(model):
-            try:
-                await self.repository.load(slot)
-            except ConfigError as exc:
-                raise InvalidInput(f"model '{slot.name}' failed to load: {exc}") from None
+    async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        """Load every served version of ``model``, with ``config`` applied first (:func:`load_versions`).
+
+        Raises:
+            ModelNotFound; InvalidInput: the config is refused (nothing changed), or a version fails to load.
+        """
+        try:
+            await load_versions(self.repository, self.repository_slots(model), config)
+        except ConfigError as exc:
+            raise InvalidInput(f"model '{model}' failed to load: {exc}") from None
 
     async def unload(self, model: str) -> None:
         """Unload every served version of ``model`` (requests in flight finish first). Raises ModelNotFound."""

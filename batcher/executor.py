@@ -57,6 +57,7 @@ class Staged:
 
     Attributes:
         slot: the context's staging buffer the inputs were stacked into (:attr:`ExecutionContext.staging_slots`).
+        batched: False for a model without a batch dimension: one request, its inputs and outputs passed whole.
         inputs: the stacked, padded inputs (None when nothing runs or stacking failed: ``error``).
         seconds: time spent stacking.
     """
@@ -67,6 +68,7 @@ class Staged:
     rows: int
     pad: int
     slot: int = 0
+    batched: bool = True
     inputs: dict[str, np.ndarray] | None = None
     seconds: float = 0.0
     error: Exception | None = None
@@ -74,7 +76,7 @@ class Staged:
 
 def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
                 now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None,
-                slot: int = 0) -> Staged:
+                batched: bool = True, slot: int = 0) -> Staged:
     """The first step of a batch (blocking; any thread): drop what cannot finish in time, stack the rest.
 
     Args:
@@ -86,6 +88,8 @@ def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, bat
         now: the clock deadlines are measured on (the event loop's, ``time.monotonic``).
         allowed: the model's allowed batch sizes (ascending; None: no padding): the rows that run are padded with
             zero rows up to the smallest allowed size that holds them.
+        batched: False for a model without a batch dimension: the batch is one request, whose inputs are passed
+            whole (no stacking, no padding) and whose outputs :func:`run_batch` passes whole.
         slot: which of the context's staging buffers to stack into (``host_buffer(..., slot=slot)``).
     """
     finish = now() + (batch_s or 0.0)
@@ -98,8 +102,10 @@ def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, bat
         else:
             live.append(p)
     rows = sum(p.rows for p in live)
-    staged = Staged(batch, live, dropped, rows, 0, slot)
-    if live:
+    staged = Staged(batch, live, dropped, rows, 0, slot, batched)
+    if not batched and live:
+        staged.inputs = live[0].inputs
+    elif live:
         t0 = time.perf_counter()
         try:
             staged.pad = padded_size(rows, allowed) - rows
@@ -125,7 +131,8 @@ def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequen
             outputs = ctx.execute(staged.inputs)
             t2 = time.perf_counter()
             # the padding rows form a last share that nobody gets; the split checks every output has rows + pad
-            parts = split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)]
+            parts = (split_outputs(outputs, [p.rows for p in live] + [pad] * bool(pad))[:len(live)] if staged.batched
+                     else [outputs])
         except (EngineError, ValueError) as exc:
             t2 = time.perf_counter()
             if len(live) > 1 and not isinstance(exc, EngineUnavailable):
@@ -139,10 +146,11 @@ def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequen
 
 
 def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
-                  now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None) -> BatchResult:
+                  now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None,
+                  batched: bool = True) -> BatchResult:
     """Both steps of a batch in one call (blocking; the context's thread): :func:`stage_batch` into staging
     buffer 0, then :func:`run_batch`."""
-    return run_batch(ctx, stage_batch(ctx, batch, model, batch_s, now, allowed), model, allowed)
+    return run_batch(ctx, stage_batch(ctx, batch, model, batch_s, now, allowed, batched), model, allowed)
 
 
 def _staging(ctx: ExecutionContext, slot: int) -> Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None]:

@@ -72,17 +72,20 @@ WARMUP_TEXT = b"0"
 def warmup_inputs(signature: ModelSignature, cfg: ModelConfig, rows: int = 1) -> dict[str, np.ndarray]:
     """Warm-up inputs of ``rows`` rows: the config's ``inputs[].warmup_data`` repeated to fill each input, else
     zeros (BYTES: :data:`WARMUP_TEXT`); dynamic dims take ``warmup_dims`` from the config, else :data:`WARMUP_DIM`.
+    A model without a batch dimension gets one input of its full shape (``rows`` ignored).
 
     Raises:
         ConfigError: ``warmup_data`` holds a value the input's datatype does not take (the codec's rules).
     """
     declared = {i.name: (j, i) for j, i in enumerate(cfg.inputs)}
+    skip = 1 if signature.batched else 0
     out = {}
     for spec in signature.inputs:
         j, decl = declared.get(spec.name, (None, None))
         wd = decl.warmup_dims if decl else None
-        dims = [d if d != -1 else (wd[k] if wd and k < len(wd) else WARMUP_DIM) for k, d in enumerate(spec.shape[1:])]
-        shape = (rows, *dims)
+        dims = [d if d != -1 else (wd[k] if wd and k < len(wd) else WARMUP_DIM)
+                for k, d in enumerate(spec.shape[skip:])]
+        shape = (rows, *dims) if skip else tuple(dims)
         dtype = NUMPY_DTYPES[spec.datatype]
         if decl is not None and decl.warmup_data is not None:
             try:
@@ -103,9 +106,12 @@ def warmup_batch_sizes(cfg: ModelConfig, signature: ModelSignature) -> list[int]
 
     With allowed batch sizes in effect: every allowed size, or the config's ``warmup_batch_sizes`` each padded up
     to an allowed size (a context may only run those). Without: the config's ``warmup_batch_sizes`` (capped at
-    ``max_batch_size``), else 1..max on CUDA and [1] on CPU.
+    ``max_batch_size``), else 1..max on CUDA and [1] on CPU. [1] (one run) for a model without a batch dimension
+    (``max_batch_size`` 0).
     """
     top, allowed = signature.max_batch_size, signature.allowed_batch_sizes
+    if top == 0:
+        return [1]
     if cfg.warmup_batch_sizes is not None:
         return sorted({padded_size(min(b, top), allowed) for b in cfg.warmup_batch_sizes})
     if allowed is not None:
@@ -224,7 +230,7 @@ def open_engine(cfg: ModelConfig, path: Path, on_restart: Callable[[], None] | N
         if cfg.mode == "multiproc":
             from engines.multiproc import MultiprocEngine
 
-            return MultiprocEngine(path, on_restart=on_restart, **options)
+            return MultiprocEngine(path, on_restart=on_restart, label=cfg.name, **options)
         from engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(path, **options)

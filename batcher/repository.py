@@ -25,6 +25,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from engines.memory import rss_bytes
 from engines.zoo import ZooError, resolve
@@ -69,6 +70,7 @@ class ModelSlot:
         self.footprint_bytes: int | None = None  # engine + contexts as the backend reports them
         self.device_bytes = 0  # device memory of the loaded engine and contexts (graphs, workspaces); 0 on CPU
         self.sticky_unloaded = False  # unloaded through the repository API: only an explicit load brings it back
+        self.last_signature = None  # what its last load served (kept after an unload)
 
     @property
     def signature(self):
@@ -106,18 +108,12 @@ def _selected_versions(cfgs: list[ModelConfig]) -> set[int]:
     return set(policy.specific) & set(versions)
 
 
-class ModelRepository:
-    """Every configured model version (:class:`ModelSlot`), the load strategy and the memory budget."""
+class ModelSlots:
+    """Every configured model version (:class:`ModelSlot`) by name and version, the lookup a request goes
+    through, and the repository index."""
 
-    def __init__(self, config: Config, metrics: Metrics,
-                 loader: Callable[[ModelConfig, str, Callable[[], None]], Loaded] = load_model) -> None:
-        """``loader`` loads one model (blocking, in a worker thread): :func:`batcher.loader.load_model`; tests
-        pass a stand-in."""
+    def __init__(self, config: Config) -> None:
         self.config = config
-        self._loader = loader
-        self.strategy = config.server.load_strategy
-        mb = config.server.memory_budget_mb
-        self.budget = MemoryBudget(int(mb * MiB)) if mb is not None else None
         by_name: dict[str, list[ModelConfig]] = collections.defaultdict(list)
         for cfg in config.models:
             by_name[cfg.name].append(cfg)
@@ -125,24 +121,9 @@ class ModelRepository:
         for i, cfg in enumerate(config.models):
             selected = cfg.version in _selected_versions(by_name[cfg.name])
             self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
-        #: called on the event loop after a model loaded, before it turns READY (may raise to fail the load).
-        self.on_load: list[Callable[[ModelSlot], None]] = []
-        self.lifecycle = LifecycleEvents(metrics)
-        self._restarts = metrics.worker_restart
-        self._lock = asyncio.Lock()  # one load or unload at a time
-        self._closed = False
-        if self.budget is not None:
-            metrics.memory_budget.set(self.budget.budget_bytes)
-        self._update_memory()
 
     def all(self) -> list[ModelSlot]:
         return [s for versions in self.slots.values() for s in versions.values()]
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes counted against the budget by the loaded models (READY, or UNLOADING until freed); a model being
-        loaded has its room reserved and counts once READY."""
-        return sum(s.budget_bytes for s in self.all() if s.loaded_or_unloading)
 
     # ---------------------------------------------------------------- lookup and routing
     def slot(self, name: str, version: str | None = None) -> ModelSlot:
@@ -169,6 +150,56 @@ class ModelRepository:
         """The versions of ``name`` its version policy serves, lowest first."""
         return sorted((v for v, s in self.slots[name].items() if s.selected), key=int)
 
+    def index(self, ready: bool | None = None) -> list[dict]:
+        """The repository index (Triton's form): every configured version with its state and reason; with
+        ``ready`` true only the READY ones (Triton's ``ready`` filter), false only the others."""
+        out = []
+        for s in self.all():
+            if ready is not None and (s.state == READY) != ready:
+                continue
+            entry = {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
+            pids = [getattr(c, "pid", None) for c in (s.loaded.contexts if s.loaded else ())]
+            if any(pids):
+                entry["worker_pids"] = pids
+            if s.measured_bytes is not None:
+                entry["measured_bytes"] = s.measured_bytes
+                entry["footprint_bytes"] = s.footprint_bytes
+            if s.device_bytes:  # on GPU: engine and contexts' device memory, CUDA graphs and workspaces included
+                entry["device_bytes"] = s.device_bytes
+            out.append(entry)
+        return out
+
+class ModelRepository(ModelSlots):
+    """The load strategy and the memory budget over every configured model version."""
+
+    def __init__(self, config: Config, metrics: Metrics,
+                 loader: Callable[[ModelConfig, str, Callable[[], None]], Loaded] = load_model) -> None:
+        """``loader`` loads one model (blocking, in a worker thread): :func:`batcher.loader.load_model`; tests
+        pass a stand-in."""
+        super().__init__(config)
+        self._loader = loader
+        self.strategy = config.server.load_strategy
+        mb = config.server.memory_budget_mb
+        self.budget = MemoryBudget(int(mb * MiB)) if mb is not None else None
+        #: called on the event loop after a model loaded, before it turns READY (may raise to fail the load).
+        self.on_load: list[Callable[[ModelSlot], None]] = []
+        self.lifecycle = LifecycleEvents(metrics)
+        self._restarts = metrics.worker_restart
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        # every load in one thread: glibc gives each thread its own heap arena, and a load reuses the heap that an
+        # evicted model freed only in the arena that model was loaded in
+        self._loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
+        self.closed = False  # set once close() began: no more loads
+        if self.budget is not None:
+            metrics.memory_budget.set(self.budget.budget_bytes)
+        self._update_memory()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes counted against the budget by the loaded models (READY, or UNLOADING until freed); a model being
+        loaded has its room reserved and counts once READY."""
+        return sum(s.budget_bytes for s in self.all() if s.loaded_or_unloading)
+
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Eager: load every selected version (models loaded before a failure are released).
@@ -188,13 +219,10 @@ class ModelRepository:
 
     async def close(self) -> None:
         """Stop every model: queued requests get 503, running batches finish, memory is released."""
-        self._closed = True
+        self.closed = True
         slots = [s for s in self.all() if s.runner is not None or s.loaded is not None]
         await asyncio.gather(*(self._stop(s) for s in slots))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        self._loading.shutdown(wait=False)
 
     def start_load(self, slot: ModelSlot) -> None:
         """Start loading an UNAVAILABLE ``slot`` (state LOADING; ``slot.task`` is the load)."""
@@ -222,20 +250,8 @@ class ModelRepository:
         try:
             async with self._lock:
                 await self._make_room(slot)
-                rss0 = rss_bytes()
-                restarts = self._restarts.labels(slot.name, slot.version)
-                loaded = await asyncio.to_thread(self._loader, slot.cfg, slot.where, restarts.inc)
-                if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
-                    slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances,
-                                              loaded.device_bytes)
-                slot.footprint_bytes, slot.device_bytes = loaded.footprint_bytes, loaded.device_bytes
-                slot.loaded = loaded
-                try:
-                    for hook in self.on_load:
-                        hook(slot)
-                except BaseException:
-                    await self._stop(slot)
-                    raise
+                loaded, rss0 = await self._open(slot, slot.cfg)
+                await self._attach(slot, loaded)
                 slot.state, slot.reason, slot.failed = READY, "", False
                 slot.last_used = asyncio.get_running_loop().time()
                 self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
@@ -256,6 +272,69 @@ class ModelRepository:
         finally:
             slot.task = None
             self._update_memory()
+
+    async def _open(self, slot: ModelSlot, cfg: ModelConfig) -> tuple[Loaded, int]:
+        """Load ``cfg`` in a worker thread; returns it and the resident memory before (bytes)."""
+        rss0 = rss_bytes()
+        restarts = self._restarts.labels(slot.name, slot.version)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._loading, self._loader, cfg, slot.where, restarts.inc), rss0
+
+    async def _attach(self, slot: ModelSlot, loaded: Loaded) -> None:
+        """Make ``loaded`` what serves ``slot``: its memory figures, then the load hooks (which attach its runner).
+        A failing hook releases it, leaves the slot without a load and raises."""
+        if slot.measured_bytes is None:  # the first load's figure: later ones see recycled heap
+            slot.measured_bytes = max(loaded.measured_bytes, loaded.engine.nbytes * slot.cfg.instances,
+                                      loaded.device_bytes)
+        slot.footprint_bytes, slot.device_bytes = loaded.footprint_bytes, loaded.device_bytes
+        slot.loaded, slot.runner, slot.last_signature = loaded, None, loaded.signature
+        try:
+            for hook in self.on_load:
+                hook(slot)
+        except BaseException:
+            runner, slot.runner, slot.loaded = slot.runner, None, None
+            if runner is not None:
+                await runner.close()
+            await asyncio.to_thread(loaded.release)
+            raise
+
+    async def reload(self, slot: ModelSlot, cfg: ModelConfig) -> None:
+        """Serve ``slot`` with ``cfg`` from now on (the repository API's load with a config).
+
+        The new load is made beside the current one (a model not loaded is loaded first, as configured) and takes
+        new requests as soon as it is ready; requests queued or executing on the old one finish there, then the
+        old one is released. The model counts once against the memory budget, as measured by the new load (both
+        are resident for a moment).
+
+        Raises:
+            ConfigError: ``cfg`` does not load; the model keeps its config and its load. Unavailable: no room in the
+                memory budget, unloaded meanwhile, or the server is shutting down.
+        """
+        await self.load(slot)
+        async with self._lock:
+            if slot.state != READY or self.closed:
+                raise Unavailable(f"model '{slot.name}' was unloaded during its reload", retry_after_s=1)
+            kept = ("cfg", "loaded", "runner", "measured_bytes", "footprint_bytes", "device_bytes")
+            old = {k: getattr(slot, k) for k in kept}
+            loaded, rss0 = await self._open(slot, cfg)
+            slot.cfg, slot.measured_bytes = cfg, None
+            try:
+                await self._attach(slot, loaded)
+            except BaseException:
+                for k, v in old.items():
+                    setattr(slot, k, v)
+                raise
+            self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
+        runner = old["runner"]
+        if runner is not None:
+            log.info("reloaded model %s version %s; %d queued request(s) finish on the old load", slot.name,
+                     slot.version, runner.queue_depth)
+            while runner.queue_depth:  # requests queued there run there (none can join: they go to the new one)
+                await asyncio.sleep(0.005)
+            await runner.close()  # which lets the batches executing there finish
+        await asyncio.to_thread(old["loaded"].release)
+        await asyncio.to_thread(trim_heap)
+        self._update_memory()
 
     async def _refit(self, slot: ModelSlot) -> None:
         """After a load measured above its estimate: make room for it, or give it back."""
@@ -283,8 +362,12 @@ class ModelRepository:
                                           idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
         except NoRoom as exc:
             raise Unavailable(str(exc), retry_after_s=1) from None
+        # The heap an evicted model freed is kept for the newcomer (and later loads): giving it back to the OS
+        # made a reload fault every page in again (1.4-1.8x ONNX Runtime's own time). Only a first load, whose
+        # growth is what it counts, gets a trimmed heap.
+        trim = newcomer.measured_bytes is None
         for victim in victims:
-            await self._unload(victim, f"evicted (lru) to make room for {newcomer.name}", kind="evict")
+            await self._unload(victim, f"evicted (lru) to make room for {newcomer.name}", kind="evict", trim=trim)
 
     async def unload(self, slot: ModelSlot) -> None:
         """Unload through the repository API: new requests get 503, requests in flight finish first; the model
@@ -301,7 +384,7 @@ class ModelRepository:
             if slot.state == READY:
                 await self._unload(slot, "unloaded by request", kind="unload")
 
-    async def _unload(self, slot: ModelSlot, reason: str, kind: str = "unload") -> None:
+    async def _unload(self, slot: ModelSlot, reason: str, kind: str = "unload", trim: bool = True) -> None:
         slot.state, slot.reason = UNLOADING, reason
         done = asyncio.get_running_loop().create_future()
         slot.task = done
@@ -310,7 +393,8 @@ class ModelRepository:
                 await asyncio.sleep(0.005)
             rss0, t0 = rss_bytes(), time.perf_counter()
             await self._stop(slot)
-            await asyncio.to_thread(trim_heap)
+            if trim:
+                await asyncio.to_thread(trim_heap)
             slot.state, slot.reason = UNAVAILABLE, reason
             self.lifecycle.record(kind, slot, time.perf_counter() - t0, rss0, self.used_bytes)
         finally:
@@ -332,22 +416,3 @@ class ModelRepository:
     # ---------------------------------------------------------------- observability
     def _update_memory(self) -> None:
         self.lifecycle.update_memory(self.all(), self.used_bytes)
-
-    def index(self, ready: bool | None = None) -> list[dict]:
-        """The repository index (Triton's form): every configured version with its state and reason; with
-        ``ready`` true only the READY ones (Triton's ``ready`` filter), false only the others."""
-        out = []
-        for s in self.all():
-            if ready is not None and (s.state == READY) != ready:
-                continue
-            entry = {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
-            pids = [getattr(c, "pid", None) for c in (s.loaded.contexts if s.loaded else ())]
-            if any(pids):
-                entry["worker_pids"] = pids
-            if s.measured_bytes is not None:
-                entry["measured_bytes"] = s.measured_bytes
-                entry["footprint_bytes"] = s.footprint_bytes
-            if s.device_bytes:  # on GPU: engine and contexts' device memory, CUDA graphs and workspaces included
-                entry["device_bytes"] = s.device_bytes
-            out.append(entry)
-        return out

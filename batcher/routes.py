@@ -21,8 +21,8 @@ from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
 from .bodies import read_body
-from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response
-from .errors import ModelNotFound, Unauthorized
+from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
+from .errors import InvalidInput, ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -166,10 +166,32 @@ def _repository(request: web.Request) -> None:
             raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>")
 
 
+async def _repository_body(request: web.Request, what: str) -> dict:
+    """A repository request's body: a JSON object, or nothing (``{}``). Keys the extension does not define are
+    ignored, as Triton does; ``parameters`` must be an object.
+
+    Raises:
+        InvalidInput: not JSON, not an object, or ``parameters`` not an object; what reading a body raises
+            (:func:`batcher.bodies.read_body`: 408, 413, 415).
+    """
+    server = request.app[CONFIG].server
+    raw = await read_body(request, server.max_body_bytes, server.read_timeout_s)
+    if not raw.strip():
+        return {}
+    doc = json_object(raw, f"{what}: the body")
+    if not isinstance(doc.get("parameters", {}), dict):
+        raise InvalidInput(f"{what}: parameters: expected an object, got {type(doc['parameters']).__name__}")
+    return doc
+
+
 @routes.post("/v2/repository/index")
 async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index; ``{"ready": true}`` lists only the READY versions, ``false`` the others."""
     _repository(request)
-    return _json(request.app[DATAPLANE].repository.index())
+    ready = (await _repository_body(request, "repository index")).get("ready")
+    if ready is not None and not isinstance(ready, bool):
+        raise InvalidInput(f"repository index: ready: expected true or false, got {ready!r}")
+    return _json(request.app[DATAPLANE].repository.index(ready))
 
 
 @routes.get("/v2/repository/events")
@@ -183,14 +205,36 @@ async def repository_events(request: web.Request) -> web.Response:
 
 @routes.post("/v2/repository/models/{model}/load")
 async def repository_load(request: web.Request) -> web.Response:
+    """Load a model; ``{"parameters": {"config": "<model-config JSON>"}}`` (Triton's form: a JSON *string*)
+    applies a config first (:meth:`batcher.dataplane.DataPlane.load`). Model files (``file:...``) cannot be sent."""
     _repository(request)
-    await request.app[DATAPLANE].load(request.match_info["model"])
+    params = (await _repository_body(request, "load")).get("parameters", {})
+    for key in params:
+        if key.startswith("file:"):
+            raise InvalidInput(f"load: parameters.{key}: this server does not take model files through the API "
+                               "(serve them from the config or the model repository)")
+        if key != "config":
+            raise InvalidInput(f"load: parameters.{key}: unknown parameter (supported: config)")
+    config = params.get("config")
+    if config is not None:
+        if not isinstance(config, str):
+            raise InvalidInput("load: parameters.config: expected a string holding the model-config JSON, got "
+                               f"{type(config).__name__}")
+        config = json_object(config, "load: parameters.config")
+    await request.app[DATAPLANE].load(request.match_info["model"], config)
     return _json({})
 
 
 @routes.post("/v2/repository/models/{model}/unload")
 async def repository_unload(request: web.Request) -> web.Response:
+    """Unload a model; Triton's ``parameters.unload_dependents`` is accepted (there are no dependents here)."""
     _repository(request)
+    params = (await _repository_body(request, "unload")).get("parameters", {})
+    for key, value in params.items():
+        if key != "unload_dependents":
+            raise InvalidInput(f"unload: parameters.{key}: unknown parameter (supported: unload_dependents)")
+        if not isinstance(value, bool):
+            raise InvalidInput(f"unload: parameters.unload_dependents: expected true or false, got {value!r}")
     await request.app[DATAPLANE].unload(request.match_info["model"])
     return _json({})
 

@@ -70,7 +70,8 @@ GAP_EWMA_ALPHA = 0.2
 
 async def _pipelined(ex: Executor, args: tuple, slot: int) -> BatchResult:
     """A batch through a two-stage executor: staged on its staging thread, then run on the context's thread.
-    ``args``: :func:`~batcher.executor.stage_batch`'s after the context (batch, model, estimate, clock, allowed)."""
+    ``args``: :func:`~batcher.executor.stage_batch`'s after the context (batch, model, estimate, clock, allowed,
+    batched)."""
     staged = await ex.stage(stage_batch, *args, slot)
     return await ex.submit(run_batch, staged, args[1], args[4])
 
@@ -97,7 +98,7 @@ class ModelRunner:
                 self._idle.put_nowait((i, slot))
         db = cfg.dynamic_batching
         self._delay_s = db.max_queue_delay_microseconds / 1e6
-        self._max_batch = signature.max_batch_size
+        self._max_batch = signature.max_batch_size or 1  # no batch dimension: one request per execution
         self._allowed = signature.allowed_batch_sizes
         self._preferred = tuple(db.preferred_batch_size)
         self._adaptive = db.adaptive_queue_delay
@@ -245,7 +246,7 @@ class ModelRunner:
         self._queued_rows -= rows
         self._executing_rows += rows
         ex, args = self._executors[token[0]], (batch, self.name, self.times.estimate(rows), self._loop.time,
-                                                self._allowed)
+                                                self._allowed, self.signature.batched)
         if getattr(ex, "depth", 1) > 1:  # staged on one thread while the last batch runs on the context's
             fut = asyncio.ensure_future(_pipelined(ex, args, token[1]))
         else:

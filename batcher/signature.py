@@ -39,42 +39,62 @@ class ModelSignature:
     #: the backend carries BYTES as text (``Engine.bytes_as_text``): BYTES inputs must be UTF-8.
     bytes_as_text: bool = False
 
+    @property
+    def batched(self) -> bool:
+        """Whether inputs have a batch dimension (``max_batch_size >= 1``); without one (0, Triton's meaning)
+        shapes are full shapes and each request executes alone."""
+        return self.max_batch_size > 0
+
     @classmethod
     def build(cls, engine: Engine, cfg: ModelConfig, where: str) -> ModelSignature:
         """Combine the engine's tensors with the config's declared dims and max batch.
+
+        A model is served without a batch dimension (``max_batch_size`` 0) when the config says 0, or says
+        nothing and the engine's first dimension is fixed (an ONNX model exported for one shape).
 
         Args:
             where: the config path of the model (``models[3]``), for messages.
 
         Raises:
-            ConfigError: the config asks for more rows than the engine's profile allows, names an input the
-                model lacks, declares dims that contradict the model's fixed dims or rank, or lists allowed batch
-                sizes without the effective max_batch_size.
+            ConfigError: the config asks for more rows than the engine's profile allows, for batching on a model
+                whose first dimension is fixed, names an input the model lacks, declares dims that contradict the
+                model's fixed dims or rank, or lists allowed batch sizes without the effective max_batch_size (or
+                for a model without a batch dimension).
         """
         engine_max = engine.max_batch_size
-        for spec in engine.inputs:
-            if not spec.shape:
-                raise ConfigError(f"{where}: input {spec.name!r} is a scalar; the server needs a batch dimension")
-        if engine_max == 0:
-            raise ConfigError(
-                f"{where}: the model's batch dimension is fixed ({_fmt(engine.inputs[0].shape)}); "
-                "export it with a dynamic first dimension"
-            )
-        if cfg.max_batch_size is not None and engine_max is not None and cfg.max_batch_size > engine_max:
+        batched = cfg.max_batch_size != 0 and not (cfg.max_batch_size is None and engine_max == 0)
+        if batched:
+            for spec in engine.inputs:
+                if not spec.shape:
+                    raise ConfigError(f"{where}: input {spec.name!r} is a scalar; batching needs a batch dimension "
+                                      "(max_batch_size: 0 serves the model without one)")
+            if engine_max == 0:
+                raise ConfigError(
+                    f"{where}.max_batch_size: {cfg.max_batch_size}, but the model's first dimension is fixed "
+                    f"({_fmt(engine.inputs[0].shape)}): it has no batch dimension; set max_batch_size: 0 to serve "
+                    "it without batching, or export it with a dynamic first dimension")
+        if cfg.max_batch_size is not None and engine_max is not None and cfg.max_batch_size > engine_max > 0:
             raise ConfigError(
                 f"{where}.max_batch_size: {cfg.max_batch_size} exceeds the engine profile maximum {engine_max}"
             )
-        max_batch = cfg.max_batch_size or engine_max or DEFAULT_MAX_BATCH_SIZE
+        max_batch = (cfg.max_batch_size or engine_max or DEFAULT_MAX_BATCH_SIZE) if batched else 0
+        if not batched and cfg.allowed_batch_sizes is not None:
+            raise ConfigError(f"{where}.allowed_batch_sizes: the model has no batch dimension (max_batch_size 0): "
+                              "nothing is padded")
         try:
-            allowed = allowed_batch_sizes(cfg, max_batch)
+            allowed = allowed_batch_sizes(cfg, max_batch) if batched else None
         except ValueError as exc:
             unset = f" (max_batch_size is not set: {max_batch} is its default)" if cfg.max_batch_size is None else ""
             raise ConfigError(f"{where}.allowed_batch_sizes: {exc}{unset}") from None
-        preferred = cfg.dynamic_batching.preferred_batch_size
-        if any(p > max_batch for p in preferred):
+        db = cfg.dynamic_batching
+        if any(p > max_batch for p in db.preferred_batch_size):
             raise ConfigError(
-                f"{where}.dynamic_batching.preferred_batch_size: {preferred} exceed max_batch_size {max_batch}"
-            )
+                f"{where}.dynamic_batching.preferred_batch_size: {db.preferred_batch_size} exceed max_batch_size "
+                f"{max_batch}" + ("" if batched else " (the model has no batch dimension)"))
+        if not batched and db.max_queue_delay_microseconds:
+            raise ConfigError(f"{where}.dynamic_batching.max_queue_delay_microseconds: the model has no batch "
+                              "dimension (max_batch_size 0): each request executes alone, there is no window")
+        skip = 1 if batched else 0  # the batch dim, which declared dims leave out
         declared = {i.name: i for i in cfg.inputs}
         names = [s.name for s in engine.inputs]
         for j, inp in enumerate(cfg.inputs):
@@ -82,14 +102,15 @@ class ModelSignature:
                 raise ConfigError(f"{where}.inputs[{j}].name: model has no input {inp.name!r} (inputs: {names})")
         inputs = []
         for spec in engine.inputs:
-            dims = spec.shape[1:]
+            dims = spec.shape[skip:]
             d = declared.get(spec.name)
             if d is not None and d.dims is not None:
                 j = cfg.inputs.index(d)
+                besides = " besides the batch dim" if batched else " (no batch dim)"
                 if len(d.dims) != len(dims):
                     raise ConfigError(
                         f"{where}.inputs[{j}].dims: {d.dims} has {len(d.dims)} dims, the model's input "
-                        f"{spec.name!r} has {len(dims)} besides the batch dim ({_fmt(dims)})"
+                        f"{spec.name!r} has {len(dims)}{besides} ({_fmt(dims)})"
                     )
                 for k, (mine, theirs) in enumerate(zip(d.dims, dims)):
                     if theirs != -1 and mine != theirs:
@@ -97,23 +118,45 @@ class ModelSignature:
                             f"{where}.inputs[{j}].dims[{k}]: {mine} contradicts the model's fixed size {theirs}"
                         )
                 dims = tuple(d.dims)
-            inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims)))
-        return cls(tuple(inputs), tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:])) for o in engine.outputs),
-                   max_batch, allowed, engine.bytes_as_text)
+            inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims) if batched else tuple(dims)))
+        outputs = tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:]) if batched else tuple(o.shape))
+                        for o in engine.outputs)
+        return cls(tuple(inputs), outputs, max_batch, allowed, engine.bytes_as_text)
 
     def check(self, model: str, inputs: dict[str, np.ndarray]) -> int:
-        """Validate a request's inputs; return its number of rows (its batch dim).
+        """Validate a request's inputs; return its number of rows (its batch dim; 1 without a batch dim).
 
         Raises:
             InvalidInput: unknown or missing input, wrong datatype, rank or fixed dim, rows differ between
                 inputs, zero rows, more rows than ``max_batch_size`` (never split silently), or, where the backend
                 carries BYTES as text, a BYTES element that is not UTF-8.
         """
+        if not self.batched:
+            self._check_inputs(model, inputs, 0)
+            return 1
+        self._check_inputs(model, inputs, 1)
+        rows = None
+        for spec in self.inputs:
+            n = inputs[spec.name].shape[0]
+            if rows is None:
+                rows = n
+            elif n != rows:
+                raise InvalidInput(f"input '{spec.name}': batch dim {n} differs from the other inputs' {rows}")
+        if not rows:
+            raise InvalidInput(f"model '{model}': the batch dimension must be at least 1, got 0")
+        if rows > self.max_batch_size:
+            raise InvalidInput(
+                f"model '{model}': request of {rows} rows exceeds max_batch_size {self.max_batch_size}"
+            )
+        return rows
+
+    def _check_inputs(self, model: str, inputs: dict[str, np.ndarray], skip: int) -> None:
+        """Names, datatypes, ranks, the fixed dims from dim ``skip`` on (1: past the batch dim), and UTF-8 BYTES
+        where the backend carries them as text."""
         expected = [s.name for s in self.inputs]
         for name in inputs:
             if name not in expected:
                 raise InvalidInput(f"unknown input '{name}' for model '{model}'; expected inputs: {expected}")
-        rows = None
         for spec in self.inputs:
             arr = inputs.get(spec.name)
             if arr is None:
@@ -124,26 +167,13 @@ class ModelSignature:
                 )
             shape = arr.shape
             if len(shape) != len(spec.shape) or any(
-                want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:])
+                want != -1 and got != want for got, want in zip(shape[skip:], spec.shape[skip:])
             ):
                 raise InvalidInput(
                     f"input '{spec.name}': shape {_fmt(shape)} does not match the model's {_fmt(spec.shape)}"
                 )
             if self.bytes_as_text and spec.datatype == "BYTES":
                 _check_utf8(spec.name, arr)
-            if rows is None:
-                rows = shape[0]
-            elif shape[0] != rows:
-                raise InvalidInput(
-                    f"input '{spec.name}': batch dim {shape[0]} differs from the other inputs' {rows}"
-                )
-        if not rows:
-            raise InvalidInput(f"model '{model}': the batch dimension must be at least 1, got 0")
-        if rows > self.max_batch_size:
-            raise InvalidInput(
-                f"model '{model}': request of {rows} rows exceeds max_batch_size {self.max_batch_size}"
-            )
-        return rows
 
     def check_outputs(self, model: str, names: Sequence[str]) -> None:
         """Raises InvalidInput when a requested output does not exist."""

@@ -9,9 +9,13 @@ For each strategy it starts ``batcher serve`` (CPU, one instance per model) and 
   budget (``batcher_memory_used_bytes``: the models' footprints as measured at load);
 * each model's first-request latency (HTTP, one row, binary tensors; in this order: tiny, mid, resnet) and its
   steady-state p50 over 20 requests afterwards;
-* for ``lru``: 4 rounds of one request per model (tiny, mid, resnet) with the latency of each, the eviction
+* for ``lru``: 6 rounds of one request per model (tiny, mid, resnet) with the latency of each, the eviction
   timeline (events from ``/v2/repository/events``: what was evicted or loaded, how long it took, memory after),
-  and the reload latencies.
+  and the reload latencies;
+* per model, a reload (the load event of a model evicted before: ``load_model`` from resolving the file to the
+  warm-up run) against what ONNX Runtime alone needs, measured in this process in the same run, right after each
+  lru request (so both see the same machine): creating the session with the server's options and running the
+  first batch (one row); ``reload / (session + first run)``, medians.
 
 The lru budget (default 200 MB) holds resnet18 beside one of the two others, not all three (the seed: 400 MB for
 701 MB); lru is given each model's measured footprint + 10% as ``memory_mb`` (what an operator would configure after
@@ -29,12 +33,15 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from bench.scripts import script_parser
 from bench.server import ServerProcess
 from bench.sweep.drivers import drive_closed, http_sender
 from bench.sweep.report import markdown_table, percentile, write_csv
 from bench.sweep.requests import build_request
+from engines.onnxruntime.options import session_options
+from engines.zoo import resolve
 
 MODELS = ("tiny_cnn", "mid_cnn", "resnet18")
 MiB = 1 << 20
@@ -90,19 +97,47 @@ def run_strategy(strategy: str, budget_mb: float | None, workdir: Path, threads:
                 row[f"{m}_p50_ms"] = round(percentile(_latencies_ms(server, m, body, headers, 20), 50), 1)
         row["rss_hot_mb"] = round(server.rss_mb())
         row["counted_hot_mb"] = round(server.metric("batcher_memory_used_bytes") / MiB)
-        rounds, events = [], []
+        rounds, events, ort_ms = [], [], {}
         if strategy == "lru":
-            for r in range(4):
+            for r in range(6):
                 lat = {"round": r + 1}
                 for m in MODELS:
                     lat[m] = round(_infer_ms(server, m, body, headers), 1) if r else row[f"{m}_first_ms"]
+                    ort_ms.setdefault(m, []).append(ort_alone_ms(m, threads))  # beside it, same conditions
                 rounds.append(lat)
                 if r == 0:  # round 1 is the first requests above
                     continue
             row["rss_hot_mb"] = round(server.rss_mb())
             events = _json(server, "/v2/repository/events")["events"]
         index = _json(server, "/v2/repository/index", post=True)
-    return {"row": row, "rounds": rounds, "events": events, "index": index}
+    return {"row": row, "rounds": rounds, "events": events, "index": index, "ort_ms": ort_ms}
+
+
+def ort_alone_ms(model: str, threads: int) -> tuple[float, float]:
+    """ONNX Runtime alone, in this process: ms to create the model's session (the server's options) and to run
+    its first batch (one row)."""
+    path, x = str(resolve(f"zoo:{model}")), np.zeros((1, 3, 224, 224), np.float32)
+    t0 = time.perf_counter()
+    session = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
+    t1 = time.perf_counter()
+    session.run(None, {session.get_inputs()[0].name: x})
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+
+def reload_rows(events: list[dict], ort_ms: dict[str, list[tuple[float, float]]]) -> list[dict]:
+    """Per model: the median of its reloads in the lru run (its loads after the first) against the medians of
+    ONNX Runtime alone, measured in this process right after each of the run's requests for that model."""
+    rows = []
+    for m in MODELS:
+        reloads = [e["duration_ms"] for e in events if e["event"] == "load" and e["model"] == m][1:]
+        if not reloads:
+            continue
+        session_ms, first_ms = (float(np.median([t[i] for t in ort_ms[m]])) for i in (0, 1))
+        reload_ms = float(np.median(reloads))
+        rows.append({"model": m, "reloads": len(reloads), "reload_ms": round(reload_ms, 1),
+                     "session_ms": round(session_ms, 1), "first_run_ms": round(first_ms, 1),
+                     "reload / (session + first run)": round(reload_ms / (session_ms + first_ms), 2)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     reloads = [e["duration_ms"] for e in lru["events"] if e["event"] == "load"][len(MODELS):]
     if reloads:
         print(f"\nlru reload (load after an eviction) ms: min {min(reloads)}, max {max(reloads)}, n {len(reloads)}")
+    reload = reload_rows(lru["events"], lru["ort_ms"])
+    print("\nlru reload against ONNX Runtime alone in this process, beside each request (medians)\n"
+          + markdown_table(reload))
     write_csv(args.out / "strategies.csv", rows)
+    write_csv(args.out / "reload.csv", reload)
     (args.out / "lru.json").write_text(json.dumps({"budget_mb": budget, "measured_mb": measured,
                                                    "rounds": lru["rounds"], "events": lru["events"]}, indent=1))
     return 0

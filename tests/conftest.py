@@ -39,11 +39,12 @@ def default_server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) ->
 
 @pytest.fixture
 def start_server(tmp_path: Path, cache_dir: Path) -> Iterator:
-    """Factory: ``start_server({"models": [...]})`` writes the config to YAML and starts a server on it."""
+    """Factory: ``start_server({"models": [...]}, env={...})`` writes the config to YAML and starts a server on it
+    (keywords go to :class:`bench.server.ServerProcess`)."""
     servers: list[ServerProcess] = []
 
-    def start(config: dict) -> ServerProcess:
-        server = ServerProcess(config, tmp_path, name=f"server{len(servers)}")
+    def start(config: dict, **kw) -> ServerProcess:
+        server = ServerProcess(config, tmp_path, name=f"server{len(servers)}", **kw)
         servers.append(server)
         return server
 

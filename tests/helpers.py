@@ -1,8 +1,10 @@
-"""Helpers for tests: in-process ONNX Runtime reference runs of zoo models, and request bodies for aiohttp from the
-load toolkit's one KServe v2 request builder (:func:`bench.sweep.requests.build_request`)."""
+"""Helpers for tests: in-process ONNX Runtime reference runs of zoo models, request bodies for aiohttp from the
+load toolkit's one KServe v2 request builder (:func:`bench.sweep.requests.build_request`), and waiting for a state
+a server reports (:func:`until`, :func:`dispatched`, :func:`queued`)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import numpy as np
@@ -32,3 +34,24 @@ def infer_kwargs(x: np.ndarray, name: str = "input", *, binary: bool = True, **o
     binary tensors in and out by default; ``options``: ``timeout_us``, ``priority``, ``binary_output``."""
     body, headers = build_request([(name, from_numpy(x.dtype), x)], binary=binary, **options)
     return {"data": body, "headers": headers}
+
+
+async def until(predicate, timeout_s: float = 120.0, poll_s: float = 0.005) -> None:
+    """Wait until ``predicate()`` (run in a thread: it may query the server) is true: tests wait for the state the
+    server reports (event ordering), never for a guessed time. ``timeout_s`` only stops a broken run."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not await asyncio.to_thread(predicate):
+        assert loop.time() < end, f"timed out after {timeout_s} s waiting for {getattr(predicate, '__name__', '')}"
+        await asyncio.sleep(poll_s)
+
+
+def dispatched(server, model: str) -> int:
+    """Requests of ``model`` (version 1) that have left its queue for a batch so far (the queue-time histogram's
+    count: observed when a batch is formed)."""
+    return int(server.metric("batcher_queue_duration_seconds_count", model=model, version="1"))
+
+
+def queued(server, model: str) -> int:
+    """Requests of ``model`` (version 1) waiting in its queue now."""
+    return int(server.metric("batcher_queue_depth", model=model, version="1"))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
+import urllib.request
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -64,3 +67,39 @@ def test_cli_rejects_a_port_out_of_range():
     assert r.returncode == 2 and "expected 0-65535, got 70000" in r.stderr
 
 
+
+
+def test_serve_on_port_0_logs_the_port_it_got(tmp_path, cache_dir):
+    """``--port 0``: the log names the real port, and the server answers there."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - {name: m, path: 'zoo:tiny_cnn'}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--config", str(cfg), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the line comes once the server listens (a blocking read: event ordering)
+            match = re.search(r"serving KServe v2 on http://127\.0\.0\.1:(\d+)$", line.strip())
+            if match:
+                break
+        else:
+            raise AssertionError(f"no 'serving' line; exit code {proc.wait()}")
+        port = int(match.group(1))
+        assert port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert proc.returncode == 0
+
+
+def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, cache_dir):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - {name: m, path: 'zoo:resnet18'}\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _cli("serve", "--config", str(cfg), "--port", str(port))
+    assert r.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "load model" not in r.stderr and "resnet18" not in r.stderr  # it never got to the models

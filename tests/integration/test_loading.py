@@ -10,7 +10,7 @@ import aiohttp
 import numpy as np
 import orjson
 import pytest
-from helpers import infer_kwargs
+from helpers import dispatched, infer_kwargs, until
 
 from bench.sweep.requests import decode_response
 
@@ -109,7 +109,7 @@ async def test_lru_never_evicts_a_model_with_requests_in_flight(start_server):
         status, _, _ = await _infer(s, server, "mid_cnn")  # loaded (and idle)
         assert status == 200
         slow = asyncio.create_task(_infer(s, server, "mid_cnn", rows=8))  # ~0.5 s on one thread
-        await asyncio.sleep(0.15)
+        await until(lambda: dispatched(server, "mid_cnn") == 2)  # executing
         status, head, headers = await _infer(s, server, "resnet18")
         assert status == 503, head
         assert "memory budget 200 MB" in head["error"] and "resnet18" in head["error"] and "mid_cnn" in head["error"]
@@ -121,13 +121,18 @@ async def test_lru_never_evicts_a_model_with_requests_in_flight(start_server):
     assert _loaded(server) == {"mid_cnn": 0.0, "resnet18": 1.0}
 
 
+def _slope(ys: list[float]) -> float:
+    """Theil-Sen estimate of the trend of ``ys`` per step: the median of the slopes between every pair of points
+    (robust to a few points pushed up or down by whatever else runs on the machine)."""
+    return float(np.median([(ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys))]))
+
+
 def test_unload_reload_cycles_return_memory(start_server):
-    """20 load/unload cycles of resnet18 (each load adds ~110-200 MB of resident memory). Tolerances, from runs
-    here (also with other servers running on the machine): after every unload, resident memory is within 100 MB
-    of where it was before the first load (ONNX Runtime's one-time global state plus the allocator's cached free
-    memory settle at 20-75 MB within three cycles; keeping one model's memory per cycle would exceed 100 MB by
-    the second cycle), and it does not trend upwards: the highest of the last 10 cycles is within 32 MB of the
-    highest of the first 10 (a leak of 3.5 MB per cycle or more fails)."""
+    """20 load/unload cycles of resnet18 (each load adds ~110-200 MB of resident memory): each unload gives back
+    what its load took, and resident memory after the unloads has no upward trend. The first three cycles are left
+    out of the trend: ONNX Runtime's one-time global state and the allocator's cached free memory settle there
+    (20-75 MB above the start). A trend, not a level: the level moves with the machine (a run beside other work
+    ended 114.7 MB above the start), a leak shows as a slope (a leak of 2 MB per cycle or more fails)."""
     server = start_server({"server": {"load_strategy": "lazy", "repository_api": True}, "models": _models("resnet18")})
     base = server.rss_mb()
     after_load, after_unload = [], []
@@ -137,8 +142,9 @@ def test_unload_reload_cycles_return_memory(start_server):
         assert _post(server, "/v2/repository/models/resnet18/unload")[0] == 200
         after_unload.append(server.rss_mb())
     assert min(after_load) - base > 80  # the model really took memory
-    assert max(after_unload) - base <= 100, (base, after_unload)
-    assert max(after_unload[10:]) <= max(after_unload[:10]) + 32, after_unload
+    returned = [loaded - unloaded for loaded, unloaded in zip(after_load, after_unload)]
+    assert np.median(returned) > 80, returned  # and each unload gave it back
+    assert _slope(after_unload[3:]) < 2.0, (base, after_unload)
     assert server.metric("batcher_model_unload_total", model="resnet18", version="1", reason="unload") == 20
 
 

@@ -22,8 +22,12 @@ def test_default_config_serves_the_six_zoo_models():
 @pytest.mark.parametrize(
     "models,fragment",
     [
-        ([{"name": "a", "path": "p", "max_batch_size": 0}], "models[0].max_batch_size: Input should be greater than"
-                                                            " or equal to 1 (got 0)"),
+        ([{"name": "a", "path": "p", "max_batch_size": -1}], "models[0].max_batch_size: Input should be greater than"
+                                                             " or equal to 0 (got -1)"),
+        ([{"name": "a", "path": "p", "max_batch_size": 0, "dynamic_batching": {"max_queue_delay_microseconds": 100}}],
+         "max_batch_size 0 (no batch dimension) runs each request alone"),
+        ([{"name": "a", "path": "p", "max_batch_size": 0, "dynamic_batching": {"preferred_batch_size": [1]}}],
+         "preferred_batch_size and max_queue_delay_microseconds need max_batch_size >= 1"),
         ([{"name": "a", "path": "p"}, {"name": "b", "path": "p", "instance_group": [{"count": "two"}]}],
          "models[1].instance_group[0].count:"),
         ([{"name": "a", "path": "p", "dynamic_batching": {"max_queue_delay_microseconds": -5}}],
@@ -112,8 +116,36 @@ def test_max_batch_above_the_profile_is_rejected_with_its_numbers():
         ModelSignature.build(ProfileEngine(32), _model(max_batch_size=64), "models[1]")
     assert ModelSignature.build(ProfileEngine(32), _model(), "models[1]").max_batch_size == 32
     assert ModelSignature.build(ProfileEngine(None), _model(), "models[1]").max_batch_size == 8
-    with pytest.raises(ConfigError, match="batch dimension is fixed"):
-        ModelSignature.build(ProfileEngine(0), _model(), "m")
+
+
+def test_a_model_with_a_fixed_first_dim_is_served_without_a_batch_dim():
+    """Triton's max_batch_size 0: by default for a fixed first dim, or when the config says so; shapes are full
+    shapes, every request is one execution (1 "row"); asking such a model to batch is an error."""
+    fixed = ProfileEngine(0, shape=(2, 3))
+    for cfg in (_model(), _model(max_batch_size=0)):
+        sig = ModelSignature.build(fixed, cfg, "m")
+        assert (sig.max_batch_size, sig.batched) == (0, False)
+        assert sig.inputs[0].shape == (2, 3) and sig.outputs[0].shape == (-1, 10)  # outputs as the model says
+        assert sig.check("m", {"x": np.zeros((2, 3), np.float32)}) == 1
+        with pytest.raises(InvalidInput, match=r"shape \[1, 2, 3\] does not match the model's \[2, 3\]"):
+            sig.check("m", {"x": np.zeros((1, 2, 3), np.float32)})
+        with pytest.raises(InvalidInput, match=r"shape \[4, 3\] does not match the model's \[2, 3\]"):
+            sig.check("m", {"x": np.zeros((4, 3), np.float32)})
+    with pytest.raises(ConfigError, match=r"m.max_batch_size: 4, but the model's first dimension is fixed \(\[2, 3\]\)"
+                                          r".*set max_batch_size: 0"):
+        ModelSignature.build(fixed, _model(max_batch_size=4), "m")
+    with pytest.raises(ConfigError, match="has no batch dimension .* there is no window"):
+        ModelSignature.build(fixed, _model(dynamic_batching={"max_queue_delay_microseconds": 100}), "m")
+    # max_batch_size 0 on a model whose first dim is dynamic: that dim is an ordinary one, declared dims are full
+    dynamic = ProfileEngine(None, shape=(-1, 3))
+    sig = ModelSignature.build(dynamic, _model(max_batch_size=0, inputs=[{"name": "x", "dims": [-1, 3]}]), "m")
+    assert sig.inputs[0].shape == (-1, 3) and sig.check("m", {"x": np.zeros((7, 3), np.float32)}) == 1
+    with pytest.raises(ConfigError, match=r"inputs\[0\].dims: \[3\] has 1 dims, the model's input 'x' has 2 \(no batch"):
+        ModelSignature.build(dynamic, _model(max_batch_size=0, inputs=[{"name": "x", "dims": [3]}]), "m")
+    scalar = ProfileEngine(0, shape=())
+    assert ModelSignature.build(scalar, _model(), "m").check("m", {"x": np.float32(1.0).reshape(())}) == 1
+    with pytest.raises(ConfigError, match="is a scalar; batching needs a batch dimension"):
+        ModelSignature.build(ProfileEngine(None, shape=()), _model(), "m")
 
 
 def test_declared_dims_narrow_and_must_agree_with_the_model():

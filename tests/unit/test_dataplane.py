@@ -181,3 +181,46 @@ async def test_metadata_config_and_statistics():
     assert stats["inference_count"] == 3 and stats["execution_count"] == 1
     assert stats["batch_stats"][0]["batch_size"] == 3
     await dp.close()
+
+
+async def test_a_load_with_a_config_reloads_and_requests_in_flight_finish_on_the_old_load():
+    """The new load takes new requests as soon as it is attached; the old one finishes what it had queued or
+    executing (none dropped, none moved), then it is released."""
+    dp = await plane([{"name": "m", "max_batch_size": 8}])
+    slot = dp.repository.slot("m")
+    old_ctx = slot.loaded.contexts[0]
+    def submit(i):
+        return asyncio.ensure_future(dp.infer("m", None, now(), reader(InferRequest(rows(2, float(i)))), passthrough))
+
+    before = [submit(0)]
+    await asyncio.sleep(0.005)  # its batch executes (20 ms); the next two queue behind it
+    before += [submit(1), submit(2)]
+    await asyncio.sleep(0.001)
+    assert slot.runner.queue_depth == 2
+    await dp.load("m", {"max_batch_size": 4, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 3}}})
+    assert slot.cfg.max_batch_size == 4 and slot.cfg.max_queue_size == 3 and slot.signature.max_batch_size == 4
+    new_ctx = slot.loaded.contexts[0]
+    after = await dp.infer("m", None, now(), reader(InferRequest(rows(1, 7.0))), passthrough)
+    for i, task in enumerate(before):
+        np.testing.assert_array_equal((await task).outputs["y"], np.full((2, 4), 2.0 * i, np.float32))
+    np.testing.assert_array_equal(after.outputs["y"], np.full((1, 4), 14.0, np.float32))
+    assert sum(old_ctx.batches) == 6 and old_ctx.released  # all of them ran on the old load, then it went
+    assert new_ctx.batches == [1] and not new_ctx.released
+    with pytest.raises(InvalidInput, match="exceeds max_batch_size 4"):
+        await dp.infer("m", None, now(), reader(InferRequest(rows(5))), passthrough)
+    assert counts(dp)["success"] == 4
+    await dp.close()
+
+
+async def test_a_config_that_does_not_load_leaves_the_model_as_it_was():
+    dp = await plane([{"name": "m", "max_batch_size": 8}])
+    slot = dp.repository.slot("m")
+    cfg, runner = slot.cfg, slot.runner
+    dp.repository._loader.fail.add("m")
+    with pytest.raises(InvalidInput, match="model 'm' failed to load: .*broken on purpose"):
+        await dp.load("m", {"max_batch_size": 2})
+    assert slot.cfg is cfg and slot.runner is runner and slot.state == "READY"
+    with pytest.raises(InvalidInput, match="fields this server does not support: optimization"):
+        await dp.load("m", {"optimization": {"priority": "PRIORITY_MAX"}})
+    assert (await dp.infer("m", None, now(), reader(InferRequest(rows(8))), passthrough)).outputs["y"].shape == (8, 4)
+    await dp.close()

@@ -104,6 +104,22 @@ async def test_lru_evicts_one_large_model_where_plain_lru_would_evict_two():
     await r.close()
 
 
+async def test_the_heap_is_trimmed_before_a_first_load_not_before_a_reload(monkeypatch):
+    """Issue 11: a trim between an eviction and a reload made the reload fault every page back in. A first load
+    still follows a trimmed heap (its growth is what it counts); a reload reuses the evicted model's heap."""
+    trims = []
+    r, loader = repo([{"name": n, "memory_mb": 60} for n in "ab"], FakeLoader({"a": 60, "b": 60}),
+                     load_strategy="lru", memory_budget_mb=100)
+    monkeypatch.setattr("batcher.repository.trim_heap", lambda: trims.append(len(loader.loads)))
+    for name in "aba":
+        r.release(await r.acquire(r.slot(name)))
+        await asyncio.sleep(1)
+    assert [(e["event"], e["model"]) for e in r.lifecycle.events] == [
+        ("load", "a"), ("evict", "a"), ("load", "b"), ("evict", "b"), ("load", "a")]
+    assert trims == [1]  # after a's first load, before b's; none before a's reload
+    await r.close()
+
+
 def test_victim_choice_rule():
     cands = [Candidate("a", 20, 1.0), Candidate("b", 20, 2.0), Candidate("c", 60, 3.0), Candidate("e", 70, 4.0)]
     assert choose_victims(cands, 0) == []

@@ -15,7 +15,8 @@ from fakes import FakeContext, PipelineExecutor, SleepExecutor, model_config, ro
 from batcher.errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from batcher.metrics import Metrics
 from batcher.scheduler import ModelRunner
-from engines.base import EngineError, EngineUnavailable
+from batcher.signature import ModelSignature
+from engines.base import EngineError, EngineUnavailable, TensorSpec
 
 pytestmark = pytest.mark.looptime
 
@@ -319,4 +320,22 @@ async def test_a_later_request_with_an_earlier_deadline_still_goes_first():
     urgent = asyncio.ensure_future(tagged("urgent", timeout_s=1.0))
     await asyncio.gather(first, *late, urgent)
     assert order == ["running", "urgent", "late0", "late1", "late2"]
+    await r.close()
+
+
+async def test_a_model_without_a_batch_dim_runs_each_request_alone_with_its_full_shape():
+    """max_batch_size 0: inputs are full shapes ([3, 4] here, not rows of [4]); requests of the same shape queued
+    together still execute one by one, each getting its whole output."""
+    cfg = model_config(max_batch_size=0)
+    sig = ModelSignature((TensorSpec("x", "FP32", (3, 4)),), (TensorSpec("y", "FP32", (3, 4)),), 0)
+    ctx = FakeContext()
+    r = ModelRunner(cfg, sig, [SleepExecutor(ctx, seconds_per_row=0.010)], Metrics().for_model("m", "1"))
+    xs = [np.full((3, 4), float(i), np.float32) for i in range(3)]
+    t0 = now()
+    outs = await asyncio.gather(*(r.infer({"x": x}, rows=1, received=t0) for x in xs))
+    assert ctx.batches == [3, 3, 3]  # three executions of a [3, 4] input
+    for x, out in zip(xs, outs):
+        np.testing.assert_array_equal(out["y"], x * 2)
+    assert now() - t0 == pytest.approx(0.030)  # one after another, 10 ms each
+    assert r.stats.execution_count == 3 and r.stats.inference_count == 3
     await r.close()

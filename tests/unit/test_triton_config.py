@@ -1,0 +1,136 @@
+"""Triton's model-config JSON both ways: the generator, and the mapping back that a repository load with
+``parameters.config`` applies (round trip, each supported field, what is refused and how it is named)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batcher.config import parse_config
+from batcher.errors import InvalidInput
+from batcher.signature import ModelSignature
+from batcher.triton_config import apply_model_config, model_config_json
+from engines.base import TensorSpec
+
+
+def _cfg(**kw):
+    return parse_config({"models": [{"name": "m", "path": "p.onnx", **kw}]}).models[0]
+
+
+def _sig(max_batch_size: int = 8) -> ModelSignature:
+    batched = max_batch_size > 0
+    x = TensorSpec("x", "FP32", (-1, 3, -1) if batched else (3, -1))
+    y = TensorSpec("y", "INT64", (-1, 10) if batched else (10,))
+    return ModelSignature((x,), (y,), max_batch_size)
+
+
+CONFIGS = [
+    ({}, 8),
+    ({"max_batch_size": 16, "intra_op_threads": 2, "instance_group": [{"count": 3}],
+      "dynamic_batching": {"max_queue_delay_microseconds": 500, "preferred_batch_size": [4, 8], "priority_levels": 3,
+                           "default_queue_policy": {"max_queue_size": 9, "default_timeout_microseconds": 7000}},
+      "inputs": [{"name": "x", "dims": [3, 48], "warmup_dims": [3, 48]}]}, 16),
+    ({"dynamic_batching": {"priority_levels": 4, "default_priority_level": 1}}, 8),
+    ({"instance_group": [{"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}]}, 8),
+    ({"max_batch_size": 0}, 0),
+    ({"version_policy": {"latest": 1}}, 8),
+]
+
+
+@pytest.mark.parametrize("kw,max_batch", CONFIGS)
+def test_the_generators_output_fed_back_changes_nothing(kw, max_batch):
+    cfg = _cfg(**kw)
+    doc = json.loads(json.dumps(model_config_json(cfg, _sig(max_batch))))  # as it travels: a JSON string
+    assert apply_model_config(cfg, _sig(max_batch), doc) == cfg
+
+
+def test_triton_spells_64_bit_integers_as_strings_and_those_are_taken():
+    cfg = apply_model_config(_cfg(), _sig(), {"dynamic_batching": {
+        "max_queue_delay_microseconds": "2500", "default_queue_policy": {"max_queue_size": "12"}}})
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 2500
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 12
+
+
+def test_each_supported_field_changes_the_config():
+    cfg = _cfg(dynamic_batching={"max_queue_delay_microseconds": 100, "admission_control": True})
+    doc = {"max_batch_size": 4, "instance_group": [{"name": "m_0", "count": 2, "kind": "KIND_CPU"}],
+           "dynamic_batching": {"max_queue_delay_microseconds": 3000, "preferred_batch_size": [2, 4],
+                                "priority_levels": 3, "default_priority_level": 1,
+                                "default_queue_policy": {"default_timeout_microseconds": 9000,
+                                                         "allow_timeout_override": True, "timeout_action": "REJECT"},
+                                "admission_control": False, "adaptive_queue_delay": True,
+                                "max_priority_wait_microseconds": 5000},
+           "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 64]}],
+           "output": [{"name": "y", "data_type": "TYPE_INT64", "dims": [10]}],
+           "parameters": {"intra_op_thread_count": {"string_value": "3"}}}
+    new = apply_model_config(cfg, _sig(), doc)
+    assert new.max_batch_size == 4 and new.instances == 2 and new.intra_op_threads == 3
+    db = new.dynamic_batching
+    assert (db.max_queue_delay_microseconds, db.preferred_batch_size, db.priority_levels, db.default_priority_level,
+            db.max_priority_wait_microseconds, db.admission_control, db.adaptive_queue_delay) == \
+        (3000, [2, 4], 3, 1, 5000, False, True)
+    assert db.default_queue_policy.default_timeout_microseconds == 9000
+    assert db.default_queue_policy.max_queue_size == 256  # not given: kept
+    assert [(i.name, i.dims) for i in new.inputs] == [("x", [3, 64])]
+    assert new.name == "m" and new.path == cfg.path
+
+
+def test_fields_left_out_keep_their_values_and_triton_defaults_ask_for_nothing():
+    cfg = _cfg(max_batch_size=4, dynamic_batching={"max_queue_delay_microseconds": 100})
+    doc = {"instance_group": [{"count": 2, "kind": "KIND_CPU", "profile": [], "passive": False}],
+           "dynamic_batching": {"preserve_ordering": False, "priority_levels": 0, "default_priority_level": 0},
+           "optimization": {}, "model_warmup": [], "sequence_batching": None,
+           "input": [{"name": "x", "dims": [3, -1], "format": "FORMAT_NONE", "is_shape_tensor": False}]}
+    new = apply_model_config(cfg, _sig(4), doc)
+    assert new.max_batch_size == 4 and new.dynamic_batching.max_queue_delay_microseconds == 100
+    assert new.dynamic_batching.priority_levels == 1 and new.dynamic_batching.default_priority_level is None
+    assert new.instances == 2 and new.inputs == []  # [3, -1] is what it serves already
+
+
+def test_unsupported_fields_are_refused_all_named_at_once():
+    doc = {"optimization": {"priority": "PRIORITY_MAX"}, "sequence_batching": {"max_sequence_idle_microseconds": 5},
+           "instance_group": [{"count": 1, "kind": "KIND_CPU", "rate_limiter": {"priority": 2}}],
+           "dynamic_batching": {"preserve_ordering": True, "default_queue_policy": {"timeout_action": "DELAY"}},
+           "input": [{"name": "x", "reshape": {"shape": [3]}}],
+           "parameters": {"execution_mode": {"string_value": "1"}}}
+    with pytest.raises(InvalidInput) as exc:
+        apply_model_config(_cfg(), _sig(), doc)
+    assert exc.value.message == (
+        "parameters.config: fields this server does not support: optimization, sequence_batching, "
+        "instance_group[0].rate_limiter, dynamic_batching.preserve_ordering, "
+        "dynamic_batching.default_queue_policy.timeout_action: DELAY, input[0].reshape, parameters.execution_mode")
+
+
+@pytest.mark.parametrize("doc,message", [
+    ([], "parameters.config.: expected an object, got []"),
+    ({"name": "other"}, "parameters.config.name: 'other' is not the model being loaded ('m')"),
+    ({"platform": "tensorrt_plan"}, "parameters.config.platform: 'tensorrt_plan'; this model is served by "
+                                    "'onnxruntime_onnx'"),
+    ({"version_policy": {"latest": {"num_versions": 2}}}, "a load cannot change them"),
+    ({"max_batch_size": "lots"}, "parameters.config.max_batch_size: expected an integer, got 'lots'"),
+    ({"max_batch_size": True}, "parameters.config.max_batch_size: expected an integer, got True"),
+    ({"max_batch_size": -2}, "parameters.config: max_batch_size: Input should be greater than or equal to 0 "
+                             "(got -2)"),
+    ({"instance_group": {"count": 2}}, "parameters.config.instance_group: expected a list"),
+    ({"instance_group": [{"count": 0}]}, "instance_group.0.count: Input should be greater than or equal to 1"),
+    ({"instance_group": [{"kind": "KIND_AUTO"}]}, "instance_group.0.kind: Input should be 'KIND_CPU' or "
+                                                  "'KIND_GPU'"),
+    ({"dynamic_batching": {"admission_control": "yes"}}, "dynamic_batching.admission_control: Input should be a "
+                                                         "valid boolean"),
+    ({"dynamic_batching": {"preferred_batch_size": [16]}}, "exceeds max_batch_size"),
+    ({"max_batch_size": 0, "dynamic_batching": {"max_queue_delay_microseconds": 5}}, "max_batch_size 0 (no batch "
+                                                                                     "dimension) runs each"),
+    ({"input": [{"name": "z", "dims": [1]}]}, "parameters.config.input[0].name: the model has no input 'z' "
+                                              "(inputs: ['x'])"),
+    ({"input": [{"name": "x", "data_type": "TYPE_FP16"}]}, "input[0].data_type: 'TYPE_FP16'; the model's input "
+                                                           "'x' is TYPE_FP32"),
+    ({"input": [{"name": "x", "dims": "3x4"}]}, "parameters.config.input[0].dims: expected a list of integers"),
+    ({"output": [{"name": "y", "dims": [11]}]}, "'y' dims [11] differ from the model's [10]"),
+    ({"parameters": {"intra_op_thread_count": {"string_value": "many"}}}, "intra_op_thread_count.string_value: "
+                                                                          "expected an integer"),
+])
+def test_wrong_types_and_contradictions_are_400_naming_the_field(doc, message):
+    with pytest.raises(InvalidInput) as exc:
+        apply_model_config(_cfg(max_batch_size=8), _sig(), doc)
+    assert message in exc.value.message
