@@ -63,6 +63,14 @@ class Pending:
     timer: Any = field(default=None, repr=False)
     #: priority level, 1 = highest (Triton's ``priority`` request parameter; 0 there means "the default level").
     priority: int = 1
+    #: held while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`drop_lease` ends the hold.
+    lease: Any = field(default=None, repr=False)
+
+    def drop_lease(self) -> None:
+        """The inputs will not be read again (the request left the queue, or its batch is done)."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
 
 def priority_level(priority: int | None, levels: int, default_level: int) -> int:

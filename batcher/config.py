@@ -109,6 +109,9 @@ class InstanceGroup(_Strict):
     count: int = Field(1, ge=1, le=64)
     kind: Literal["KIND_CPU", "KIND_GPU"] = "KIND_CPU"
     gpus: list[int] | None = None
+    #: ``routing.strategy: weighted``: this group's share of the requests, on each of its GPUs (default 1); this
+    #: server's addition (for unequal GPUs, or a canary version with a small weight).
+    weight: int | None = Field(None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _gpus(self) -> InstanceGroup:
@@ -390,6 +393,13 @@ class ServerConfig(_Strict):
     model_repository: str | None = None
     #: Triton's system and CUDA shared-memory extensions (:class:`SharedMemoryConfig`), off unless enabled.
     shared_memory: SharedMemoryConfig = SharedMemoryConfig()
+    #: front-end processes (HTTP, decoding, encoding) in front of one engine process per GPU (one for the CPU
+    #: models), all on one port (SO_REUSEPORT); 0: one process does everything (single-process mode). Default
+    #: (null): :func:`default_frontends` - the usable cores, at most 8, and 0 on machines with 2 cores or fewer.
+    frontends: int | None = Field(None, ge=0, le=64)
+    #: multi-process mode: the shared memory between one front end and one engine process (MiB): request
+    #: tensors of 64 KiB and more travel through it (half), outputs of 64 KiB and more back (the other half).
+    frontend_buffer_mb: int = Field(64, ge=1, le=65536)
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:
@@ -410,9 +420,26 @@ class RoutingConfig(_Strict):
     #: a request naming a version that is not loadable (unknown or outside the version policy): serve it with the
     #: model's default version (fallback) or answer 404 (reject).
     version_mismatch: Literal["fallback", "reject"] = "reject"
-    #: how a batch picks an instance: contexts take batches from one shared queue as they become idle, which is
-    #: least-queue by construction (no per-instance queues to balance).
-    strategy: Literal["least_queue"] = "least_queue"
+    #: where a request goes when it can go to several queues - versions of a model (a request that names no
+    #: version) and GPUs (one queue per GPU): ``least_queue`` the default version, on the GPU with the fewest
+    #: requests waiting or running; ``weighted`` every served version and GPU in proportion to its instance
+    #: groups' ``weight`` (smooth weighted round robin); ``hash`` sticky by a request key (``hash_header`` or
+    #: ``hash_parameter``; weighted rendezvous hashing; requests without the key go as least_queue). Within one
+    #: queue, contexts take batches as they become idle (least-queue by construction).
+    strategy: Literal["least_queue", "weighted", "hash"] = "least_queue"
+    #: ``strategy: hash``: the HTTP header whose value is the key (e.g. ``X-Session-Id``)...
+    hash_header: str | None = Field(None, min_length=1)
+    #: ...or the request parameter (``parameters.<name>`` of the inference request).
+    hash_parameter: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _hash_key(self) -> RoutingConfig:
+        keys = (self.hash_header is not None) + (self.hash_parameter is not None)
+        if self.strategy == "hash" and keys != 1:
+            raise ValueError("strategy hash needs exactly one of hash_header and hash_parameter")
+        if self.strategy != "hash" and keys:
+            raise ValueError(f"hash_header and hash_parameter apply to strategy hash only, not {self.strategy}")
+        return self
 
 
 class Config(_Strict):

@@ -59,6 +59,7 @@ from .config import ModelConfig
 from .errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from .executor import BatchResult, Executor, execute_batch, run_batch, stage_batch
 from .metrics import ModelMetrics
+from .protocol import Lease
 from .signature import ModelSignature
 from .stats import Stats
 
@@ -133,7 +134,8 @@ class ModelRunner:
         return self.times.drain(self._queued_rows + self._executing_rows, self._max_batch, len(self._executors))
 
     async def infer(self, inputs: dict[str, np.ndarray], *, rows: int, received: float,
-                    deadline: float | None = None, priority: int | None = None) -> dict[str, np.ndarray]:
+                    deadline: float | None = None, priority: int | None = None, lease: Lease | None = None
+                    ) -> dict[str, np.ndarray]:
         """Queue one validated request and wait for its outputs.
 
         Args:
@@ -141,6 +143,7 @@ class ModelRunner:
             received: event-loop time (s) the request arrived; its batch window counts from here.
             deadline: event-loop time after which it must not be answered with outputs.
             priority: ``parameters.priority`` (:func:`batcher.batching.priority_level`).
+            lease: held from queueing until the inputs are no longer read (:class:`batcher.protocol.Lease`).
 
         Returns:
             the request's rows of every output (views into its batch's outputs).
@@ -172,6 +175,9 @@ class ModelRunner:
         if self._tail is not None:
             key = urgency(p, received)
             self._tail = key if self._starve_s is None and (not self._tail or key >= self._tail) else None
+        if lease is not None:
+            lease.acquire()
+            p.lease = lease
         self._queue.append(p)
         self._queued_rows += rows
         self._set_depth(self._depth + 1)
@@ -203,6 +209,7 @@ class ModelRunner:
         p.state = State.DONE
         if p.timer is not None:
             p.timer.cancel()
+        p.drop_lease()
         self._queued_rows -= p.rows
         self._set_depth(self._depth - 1)
 
@@ -298,6 +305,7 @@ class ModelRunner:
             p.state = State.DONE
             if p.timer is not None:
                 p.timer.cancel()
+            p.drop_lease()
             if p.future.done():  # the client went away or the deadline passed: its rows are discarded
                 continue
             if isinstance(out, BaseException):
