@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.resources
+import inspect
+from typing import Any
 
 import numpy as np
 import orjson
@@ -41,6 +43,12 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 def _model(request: web.Request) -> tuple[str, str | None]:
     return request.match_info["model"], request.match_info.get("version")
+
+
+async def _answer(result: Any) -> Any:
+    """A data-plane call's result: in-process methods answer at once, a front end's remote data plane
+    (:mod:`batcher.remote`) through an awaitable."""
+    return await result if inspect.isawaitable(result) else result
 
 
 @routes.get("/v2/openapi.json")
@@ -78,7 +86,7 @@ async def server_metadata(request: web.Request) -> web.Response:
 async def model_statistics(request: web.Request) -> web.Response:
     """Triton's statistics extension (what perf_analyzer reads for its server-side breakdown)."""
     info = request.match_info
-    return _json(request.app[DATAPLANE].statistics(info.get("model"), info.get("version")))
+    return _json(await _answer(request.app[DATAPLANE].statistics(info.get("model"), info.get("version"))))
 
 
 @routes.get("/v2/models/{model}")
@@ -91,7 +99,7 @@ async def model_metadata(request: web.Request) -> web.Response:
 @routes.get("/v2/models/{model}/versions/{version}/ready")
 async def model_ready(request: web.Request) -> web.Response:
     name, version = _model(request)
-    ok = request.app[DATAPLANE].model_ready(name, version)
+    ok = await _answer(request.app[DATAPLANE].model_ready(name, version))
     return _json({"name": name, "ready": ok}, 200 if ok else 503)
 
 
@@ -107,6 +115,7 @@ async def model_config(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     server = request.app[CONFIG].server
+    hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
 
     async def read() -> InferRequest:
         body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
@@ -114,8 +123,14 @@ async def infer(request: web.Request) -> web.Response:
         # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
         if json_bytes > OFFLOAD_BYTES:
-            return await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
-        return decode_request(body, header_length, server.max_tensor_elements)
+            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
+        else:
+            decoded = decode_request(body, header_length, server.max_tensor_elements)
+        if hash_header is not None:
+            decoded.routing_key = request.headers.get(hash_header)
+        elif hash_parameter is not None and decoded.parameters.get(hash_parameter) is not None:
+            decoded.routing_key = str(decoded.parameters[hash_parameter])
+        return decoded
 
     async def deliver(response: InferResponse) -> web.Response:
         if sum(a.nbytes for a in response.outputs.values()) > OFFLOAD_BYTES:
@@ -191,16 +206,14 @@ async def repository_index(request: web.Request) -> web.Response:
     ready = (await _repository_body(request, "repository index")).get("ready")
     if ready is not None and not isinstance(ready, bool):
         raise InvalidInput(f"repository index: ready: expected true or false, got {ready!r}")
-    return _json(request.app[DATAPLANE].repository.index(ready))
+    return _json(await _answer(request.app[DATAPLANE].repository_index(ready)))
 
 
 @routes.get("/v2/repository/events")
 async def repository_events(request: web.Request) -> web.Response:
     """Load, evict and unload events with durations and memory before/after (this server's addition)."""
     _repository(request)
-    repo = request.app[DATAPLANE].repository
-    return _json({"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
-                  "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None})
+    return _json(await _answer(request.app[DATAPLANE].repository_events()))
 
 
 @routes.post("/v2/repository/models/{model}/load")
