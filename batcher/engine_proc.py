@@ -124,8 +124,19 @@ class FrontendConnection:
                 raise RemoteError(*failure)
             return request_from(fields, unpack_tensors(inputs, self.area), lease)
 
+        counts, slot = self.server.counts, self.server.slot_index.get((model, version), -1)
+        if slot >= 0:
+            counts[slot] += 1
+
+        def uncount() -> None:  # no more work here: waiting, running, done
+            nonlocal slot
+            if slot >= 0:
+                counts[slot] -= 1
+                slot = -1
+
         async def deliver(response: InferResponse) -> None:
             nonlocal concluded
+            uncount()
             release_handler()
             entries, blocks = pack_tensors(response.outputs, self.area, self.outputs)
             if blocks:
@@ -137,9 +148,6 @@ class FrontendConnection:
             if error is not None:  # the front end answered the client with this error (e.g. 504: too late)
                 raise RemoteError(*error)
 
-        counts, slot = self.server.counts, self.server.slot_index.get((model, version), -1)
-        if slot >= 0:
-            counts[slot] += 1
         outcome: Any = None
         try:
             await self.dataplane.infer(model, version, received, read, deliver)
@@ -151,8 +159,7 @@ class FrontendConnection:
             log.exception("request %d of front end %d failed", rid, self.index)
             outcome = error_tuple(exc)
         finally:
-            if slot >= 0:
-                counts[slot] -= 1
+            uncount()
             self.tasks.pop(rid, None)
             self.acks.pop(rid, None)
             release_handler()

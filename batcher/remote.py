@@ -68,12 +68,14 @@ class Catalog:
 
 
 class _Sent:
-    """A request sent to an engine: the future of its outcome message and its input blocks until released."""
+    """A request sent to an engine: the future of its outcome message, its model version's status index, and its
+    input blocks until released."""
 
-    __slots__ = ("future", "blocks")
+    __slots__ = ("future", "slot", "blocks")
 
-    def __init__(self, future: asyncio.Future, blocks: list[int]) -> None:
+    def __init__(self, future: asyncio.Future, slot: int, blocks: list[int]) -> None:
         self.future = future
+        self.slot = slot
         self.blocks = blocks
 
 
@@ -93,6 +95,7 @@ class EngineLink:
         self._inputs: Allocator | None = None
         self._counts: np.ndarray | None = None
         self._sent: dict[int, _Sent] = {}
+        self._outstanding = [0] * len(keys)  # this front end's requests without an outcome, per model version
         self._calls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
         self._reconnecting: asyncio.Task | None = None
@@ -142,6 +145,7 @@ class EngineLink:
                 fut.set_exception(lost)
         self._sent.clear()
         self._calls.clear()
+        self._outstanding = [0] * len(self.keys)
         if self._area is not None:
             self._area.close()  # unmapped once the last view of it goes
         self._area = self._inputs = self._counts = None
@@ -169,8 +173,12 @@ class EngineLink:
             self._channel.close()
 
     def load(self, key: tuple[str, str]) -> float:
-        """Requests the engine has for model version ``key`` now (its status area)."""
-        return float(self._counts[self.index[key]]) if self._counts is not None else float("inf")
+        """Requests for model version ``key`` in the engine now (its status area), or this front end's requests
+        sent there and not answered yet if more (the engine has not read them all yet, e.g. in a burst)."""
+        if self._counts is None:
+            return float("inf")
+        i = self.index[key]
+        return float(max(self._counts[i], self._outstanding[i]))
 
     # ---------------------------------------------------------------- messages
     def _on_message(self, msg: tuple) -> None:
@@ -179,6 +187,9 @@ class EngineLink:
             sent = self._sent.get(rid)
             if sent is None:
                 return
+            if sent.slot >= 0:
+                self._outstanding[sent.slot] -= 1
+                sent.slot = -1
             if msg[-1]:  # inputs free
                 self._free(rid)
             if not sent.future.done():
@@ -204,7 +215,9 @@ class EngineLink:
             entries, blocks = pack_tensors(request.inputs, self._area, self._inputs)
             fields = request_fields(request)
         fut = asyncio.get_running_loop().create_future()
-        self._sent[rid] = _Sent(fut, blocks)
+        slot = self.index[(cfg.name, str(cfg.version))]
+        self._outstanding[slot] += 1
+        self._sent[rid] = _Sent(fut, slot, blocks)
         self._channel.send((REQ, rid, cfg.name, str(cfg.version), received, fields, entries, failure))
         return fut
 

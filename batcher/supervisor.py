@@ -105,6 +105,7 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before this process or any child imports it
         self.ctx = mp.get_context("spawn")
         self.stopping: str | None = None  # "drain" (SIGTERM) or "now" (SIGINT)
+        self.announced = False
         self.drain_deadline = 0.0
         from .engine_proc import engine_main
         from .frontend import frontend_main
@@ -140,6 +141,7 @@ class Supervisor:
         self.metrics = ProcessMetrics()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        log.info("multi-process mode: runtime folder %s (engine sockets, metrics)", self.dir)
         try:
             try:
                 self.reservation = _reserve(self.server.host, self.server.port)
@@ -193,11 +195,11 @@ class Supervisor:
                     self._on_ready(c)
 
     def _on_ready(self, c: _Child) -> None:
-        if c.kind == "frontend" and all(f.is_ready for f in self.frontends):
+        log.info("%s ready (pid %d)", c.name, c.process.pid)
+        if not self.announced and all(f.is_ready for f in self.frontends):
+            self.announced = True
             log.info("serving KServe v2 on http://%s:%s: %d front end(s), engine processes for %s",
                      self.server.host, self.port, len(self.frontends), ", ".join(e.name[7:] for e in self.engines))
-        elif c.kind == "engine" and c.started_at and self.frontends[0].process is not None:
-            log.info("the %s process (pid %d) is back", c.name, c.process.pid)
 
     def _supervise(self) -> None:
         from prometheus_client import multiprocess
