@@ -36,7 +36,7 @@ from .loader import load_model
 from .metrics import Metrics
 from .protocol import InferResponse, Lease
 from .repository import ModelRepository
-from .topology import contexts_on, device_name, engine_config, engine_slots, placed_on
+from .topology import DeviceOrder, contexts_on, device_name, engine_config, engine_devices, engine_slots, placed_on
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +167,20 @@ class FrontendConnection:
                 concluded = True
                 send((ERROR, rid, outcome, lease.free))
 
-    async def _call(self, cid: int, method: str, args: tuple) -> None:
+    async def _call(self, cid: int, method: str, args: tuple, kwargs: dict) -> None:
         """A public data-plane method for the front end (metadata, statistics, repository, shared memory, ...)."""
         try:
             if method.startswith("_") or not callable(getattr(self.dataplane, method, None)):
                 raise RemoteError(500, "other", f"the data plane has no method {method!r}")
-            value = getattr(self.dataplane, method)(*args)
+            cuda_shm = method.startswith("shm_") and args[:1] == ("cuda",)
+            if cuda_shm and "device_id" in kwargs:  # the client's device numbering -> this process's
+                kwargs = {**kwargs, "device_id": self.server.devices.local(kwargs["device_id"])}
+            value = getattr(self.dataplane, method)(*args, **kwargs)
             if asyncio.iscoroutine(value):
                 value = await value
+            if cuda_shm and isinstance(value, list):
+                value = [{**v, "device_id": self.server.devices.client(v["device_id"])} if "device_id" in v else v
+                         for v in value]
             self.channel.send((REPLY, cid, True, value))
         except Exception as exc:
             if not isinstance(exc, BatcherError):
@@ -192,12 +198,14 @@ class EngineServer:
         path: the socket's path.
         buffer_bytes: size of each connection's shared area (``server.frontend_buffer_mb``).
         keys: (name, version) of the model versions served (:func:`batcher.topology.engine_slots`).
+        devices: how this process numbers the GPUs (CUDA shared-memory regions name the client's numbering).
     """
 
     def __init__(self, dataplane: DataPlane, device: int | None, path: str, buffer_bytes: int,
-                 keys: list[tuple[str, str]]) -> None:
+                 keys: list[tuple[str, str]], devices: DeviceOrder | None = None) -> None:
         self.dataplane = dataplane
         self.device = device
+        self.devices = devices or DeviceOrder(None, [0])
         self.path = path
         self.buffer_bytes = buffer_bytes
         self.slot_index = {k: i for i, k in enumerate(keys)}
@@ -292,7 +300,7 @@ def engine_loader(device: int | None):
     return load
 
 
-async def run_engine(config: Config, device: int | None, path: str, ready: Any) -> int:
+async def run_engine(config: Config, device: int | None, path: str, ready: Any, devices: DeviceOrder) -> int:
     """Load the models of ``device``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
     code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
     ``("error", message)``."""
@@ -309,7 +317,7 @@ async def run_engine(config: Config, device: int | None, path: str, ready: Any) 
         ready.send(("error", str(exc)))
         return 2
     server = EngineServer(dataplane, device, path, config.server.frontend_buffer_mb << 20,
-                          engine_slots(config, device))
+                          engine_slots(config, device), devices)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -324,10 +332,13 @@ async def run_engine(config: Config, device: int | None, path: str, ready: Any) 
 
 
 def engine_main(config: Config, device: int | None, path: str, log_level: str, ready: Any) -> None:
-    """The engine process (``multiprocessing`` spawn target): pins ``device`` (``CUDA_VISIBLE_DEVICES``) first."""
+    """The engine process (``multiprocessing`` spawn target): pins ``device`` first (``CUDA_VISIBLE_DEVICES``
+    lists it first, :class:`batcher.topology.DeviceOrder`)."""
     from .supervisor import child_setup
 
-    if device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    gpus = [d for d in engine_devices(config) if d is not None]
+    devices = DeviceOrder(device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if devices.pinned:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
     child_setup(f"engine {device_name(device)}", log_level)
-    sys.exit(asyncio.run(run_engine(config, device, path, ready)))
+    sys.exit(asyncio.run(run_engine(config, device, path, ready, devices)))

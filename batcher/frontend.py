@@ -223,8 +223,8 @@ class RemoteDataPlane:
         if method.startswith("_"):
             raise AttributeError(method)
 
-        async def everywhere(*args: Any) -> Any:
-            answers = await asyncio.gather(*(link.call(method, *args) for link in self.links))
+        async def everywhere(*args: Any, **kwargs: Any) -> Any:
+            answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in self.links))
             return answers[0]
 
         return everywhere

@@ -52,7 +52,7 @@ REQ = 1
 ABORT = 2
 #: ``(ACK, rid, error)``: the answer to RESULT was delivered (error None) or not (its :func:`error_tuple`).
 ACK = 3
-#: ``(CALL, cid, method, args)``: call a public data-plane method (metadata, statistics, repository, ...).
+#: ``(CALL, cid, method, args, kwargs)``: call a public data-plane method (metadata, statistics, repository, ...).
 CALL = 4
 #: engine -> front end: ``(RESULT, rid, model, version, outputs, deadline, inputs_free)``.
 RESULT = 11

@@ -232,7 +232,7 @@ class EngineLink:
         if self.connected:
             self._channel.send((ACK, rid, error))
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A data-plane method in the engine process.
 
         Raises:
@@ -242,7 +242,7 @@ class EngineLink:
             raise Unavailable(f"the {self.name} is not running; it is being restarted", retry_after_s=1)
         cid = next(self._cids)
         fut = self._calls[cid] = asyncio.get_running_loop().create_future()
-        self._channel.send((CALL, cid, method, args))
+        self._channel.send((CALL, cid, method, args, kwargs))
         _, _, ok, value = await fut
         if not ok:
             raise RemoteError(*value)

@@ -267,7 +267,7 @@ def _shm_kind(request: web.Request) -> str:
 @routes.get(_SHM + "/region/{name}/status")
 async def shm_status(request: web.Request) -> web.Response:
     """Triton's shared-memory status: every region of the kind, or one (:mod:`batcher.shm`)."""
-    return _json(request.app[DATAPLANE].shm_status(_shm_kind(request), request.match_info.get("name")))
+    return _json(await _answer(request.app[DATAPLANE].shm_status(_shm_kind(request), request.match_info.get("name"))))
 
 
 @routes.post(_SHM + "/region/{name}/register")

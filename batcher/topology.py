@@ -128,3 +128,38 @@ def single_process_problem(config: Config) -> str | None:
             return (f"models[{i}] ({m.name}) is placed on GPUs {model_devices(m)}: serving a model on several GPUs "
                     "needs multi-process mode (server.frontends >= 1: one engine process per GPU)")
     return None
+
+
+class DeviceOrder:
+    """How the engine process of GPU ``device`` sees the GPUs: ``CUDA_VISIBLE_DEVICES`` lists that GPU first (so
+    every backend's device 0 is the one it serves: the process is pinned to it) and the others after it (so a
+    client's CUDA shared-memory region on another GPU can still be opened). ``local``/``client`` translate device
+    ids between the numbering clients and the config use (the server's, ``parent``: its own
+    ``CUDA_VISIBLE_DEVICES`` or, unset, GPUs ``0..max(gpus)``) and the engine process's.
+
+    Args:
+        device: the engine's GPU, or None (the CPU engine: nothing changes).
+        gpus: the GPUs the config uses.
+        parent: the server's ``CUDA_VISIBLE_DEVICES``, if set.
+    """
+
+    def __init__(self, device: int | None, gpus: list[int], parent: str | None = None) -> None:
+        self.entries = [e.strip() for e in parent.split(",")] if parent else [str(i) for i in range(max(gpus) + 1)]
+        if device is None or device >= len(self.entries):
+            self.order = list(self.entries)
+        else:
+            self.order = [self.entries[device]] + [e for i, e in enumerate(self.entries) if i != device]
+        self.pinned = device is not None and device < len(self.entries)
+
+    @property
+    def visible(self) -> str:
+        """This engine process's ``CUDA_VISIBLE_DEVICES``."""
+        return ",".join(self.order)
+
+    def local(self, client: int) -> int:
+        """The engine process's id of the client's device ``client`` (unknown ids unchanged)."""
+        return self.order.index(self.entries[client]) if 0 <= client < len(self.entries) else client
+
+    def client(self, local: int) -> int:
+        """The client's id of the engine process's device ``local``."""
+        return self.entries.index(self.order[local]) if 0 <= local < len(self.order) else local

@@ -13,7 +13,7 @@ import pytest
 from batcher.config import parse_config
 from batcher.errors import ConfigError
 from batcher.strategy import Strategy, Target, least_queue, rendezvous
-from batcher.topology import default_frontends, engine_devices, engine_slots, model_devices, weight
+from batcher.topology import DeviceOrder, default_frontends, engine_devices, engine_slots, model_devices, weight
 
 KEYS = [f"user-{i}" for i in range(1000)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +107,15 @@ def test_placement_weights_and_engine_processes_follow_the_instance_groups():
 
 def test_default_frontends_by_cores():
     assert [default_frontends(n) for n in (1, 2, 3, 4, 16, 64)] == [0, 0, 3, 4, 8, 8]
+
+
+def test_an_engine_process_sees_its_gpu_first_and_translates_client_device_ids():
+    """CUDA_VISIBLE_DEVICES pins the engine process to its GPU (every backend's device 0) and keeps the others
+    visible, in the server's numbering (a CUDA shared-memory region names the client's device id)."""
+    second = DeviceOrder(1, [0, 1])
+    assert (second.visible, second.pinned) == ("1,0", True)
+    assert [second.local(d) for d in (0, 1)] == [1, 0] and [second.client(d) for d in (0, 1)] == [1, 0]
+    restricted = DeviceOrder(1, [0, 1], parent="4,6,7")  # the server itself sees physical GPUs 4, 6, 7
+    assert restricted.visible == "6,4,7" and [restricted.local(d) for d in (0, 1, 2)] == [1, 0, 2]
+    cpu = DeviceOrder(None, [0])
+    assert not cpu.pinned and cpu.local(3) == 3
