@@ -172,6 +172,8 @@ def _serve(config, args) -> int:
     from aiohttp import web
 
     from .app import create_app
+    from .supervisor import new_event_loop
+
     try:
         sock = bind_socket(server.host, server.port)
     except OSError as exc:
@@ -181,7 +183,7 @@ def _serve(config, args) -> int:
     host = f"[{host}]" if ":" in host else host
     try:
         web.run_app(
-            create_app(config),
+            create_app(config), loop=new_event_loop(server.event_loop),
             sock=sock,
             print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", host, port),
             access_log=logging.getLogger("aiohttp.access") if args.access_log else None,

@@ -400,6 +400,15 @@ class ServerConfig(_Strict):
     #: multi-process mode: the shared memory between one front end and one engine process (MiB): request
     #: tensors of 64 KiB and more travel through it (half), outputs of 64 KiB and more back (the other half).
     frontend_buffer_mb: int = Field(64, ge=1, le=65536)
+    #: a CPU execution context (mode inprocess) whose last 16 batches each took at most this many microseconds
+    #: runs its next batches on the event loop instead of its thread: the hand-off to the thread and back costs
+    #: about 30 us of CPU per batch on a 2-core machine, more than such a batch (README "Serving modes"); a slower
+    #: batch sends the next ones back to the thread. 0: always the thread.
+    inline_execution_us: int = Field(100, ge=0, le=10_000)
+    #: the event loop of every process: asyncio's, or uvloop's (``pip install -e ".[uvloop]"``): less CPU per
+    #: request (README "Serving modes"), but its timers and clock have millisecond resolution, so batch windows
+    #: and deadlines are kept to the millisecond.
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:

@@ -18,6 +18,7 @@ went away), ``dropped`` (multi-process mode: the front-end process holding it di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -33,7 +34,7 @@ from .repository import READY, ModelRepository, ModelSlot
 from .retention import ThroughputTracker
 from .routing import Router
 from .scheduler import ModelRunner
-from .shm import SharedMemoryRegistry
+from .shm import SharedMemoryRegistry, uses_shm
 from .signature import ModelSignature
 from .strategy import Strategy, Target
 from .topology import weight
@@ -134,9 +135,17 @@ class DataPlane:
 
     def _attach_runner(self, slot: ModelSlot) -> None:
         """Load hook: the batcher and one executor thread per execution context."""
-        executors = [self._executor(ctx, f"{slot.name}-ctx{i}") for i, ctx in enumerate(slot.loaded.contexts)]
+        executors = [self._make_executor(slot, ctx, f"{slot.name}-ctx{i}") for i, ctx in enumerate(slot.loaded.contexts)]
         slot.runner = ModelRunner(slot.cfg, slot.loaded.signature, executors,
                                   self.metrics.for_model(slot.name, slot.version), slot.stats)
+
+    def _make_executor(self, slot: ModelSlot, ctx: ExecutionContext, name: str) -> Executor:
+        """The owner of one context: CPU contexts in this process may run tiny batches inline
+        (``server.inline_execution_us``); worker-process and GPU contexts never do."""
+        inline_us = self.config.server.inline_execution_us
+        if self._executor is ThreadExecutor and inline_us and slot.cfg.mode == "inprocess" and slot.cfg.device == "cpu":
+            return ThreadExecutor(ctx, name, inline_s=inline_us / 1e6)
+        return self._executor(ctx, name)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -207,18 +216,21 @@ class DataPlane:
             request = await read()
             if version is None:
                 target = owner = self._choose_version(target, request.routing_key)
-            async with self.shm.hold(request) as held:  # regions the request names stay mapped until it is done
-                inputs = await held.inputs()
+            held = self.shm.hold(request) if uses_shm(request) else None
+            async with held or contextlib.nullcontext():  # regions the request names stay mapped until it is done
+                inputs = await held.inputs() if held is not None else request.inputs
                 deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
                 owner = slot = await self.router.acquire(target, deadline)
                 try:
                     rows = slot.signature.check(slot.name, inputs)
-                    slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
+                    if request.outputs:
+                        slot.signature.check_outputs(slot.name, [o.name for o in request.outputs])
                     outputs = await slot.runner.infer(inputs, rows=rows, received=received, deadline=deadline,
                                                       priority=request.priority, lease=request.lease)
                 finally:
                     self.router.release(slot)
-                await held.write(outputs)
+                if held is not None:
+                    await held.write(outputs)
                 answer = await deliver(InferResponse(slot.name, slot.version, outputs, request, deadline))
             if not self._deliver_checks_deadline and deadline is not None and loop.time() > deadline:
                 raise late_answer(slot.name)  # ready too late: no answer after a deadline

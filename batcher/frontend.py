@@ -302,12 +302,12 @@ def frontend_main(config: Config, index: int, paths: dict[int | None, str], host
     from aiohttp import web
 
     from .app import create_app
-    from .supervisor import child_setup
+    from .supervisor import child_setup, new_event_loop
 
     child_setup(f"frontend {index}", log_level)
     app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
     web.run_app(
-        app, host=host, port=port, reuse_port=True,
+        app, host=host, port=port, reuse_port=True, loop=new_event_loop(config.server.event_loop),
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
         print=lambda _msg: ready.send(("ready", os.getpid())),
         handle_signals=True, handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s,

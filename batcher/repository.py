@@ -131,6 +131,8 @@ class ModelSlots:
         for i, cfg in enumerate(config.models):
             selected = cfg.version in selected_versions(by_name[cfg.name]) and (serves is None or serves(cfg))
             self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
+        self._served = {name: sorted((v for v, s in versions.items() if s.selected), key=int)
+                        for name, versions in self.slots.items()}
 
     def all(self) -> list[ModelSlot]:
         return [s for versions in self.slots.values() for s in versions.values()]
@@ -148,8 +150,8 @@ class ModelSlots:
                                              self.config.routing.version_mismatch)]
 
     def served_versions(self, name: str) -> list[str]:
-        """The versions of ``name`` its version policy serves, lowest first."""
-        return sorted((v for v, s in self.slots[name].items() if s.selected), key=int)
+        """The versions of ``name`` its version policy serves, lowest first (fixed once configured)."""
+        return self._served[name]
 
     def index(self, ready: bool | None = None) -> list[dict]:
         """The repository index (Triton's form): every configured version with its state and reason; with

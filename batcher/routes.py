@@ -51,6 +51,40 @@ async def _answer(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+@routes.post("/v2/models/{model}/infer")
+@routes.post("/v2/models/{model}/versions/{version}/infer")
+async def infer(request: web.Request) -> web.Response:
+    loop = asyncio.get_running_loop()
+    server = request.app[CONFIG].server
+    hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
+
+    async def read() -> InferRequest:
+        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
+        header_length = request.headers.get(HEADER_LENGTH)
+        # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
+        json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
+        if json_bytes > OFFLOAD_BYTES:
+            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
+        else:
+            decoded = decode_request(body, header_length, server.max_tensor_elements)
+        if hash_header is not None:
+            decoded.routing_key = request.headers.get(hash_header)
+        elif hash_parameter is not None and decoded.parameters.get(hash_parameter) is not None:
+            decoded.routing_key = str(decoded.parameters[hash_parameter])
+        return decoded
+
+    async def deliver(response: InferResponse) -> web.Response:
+        if sum(a.nbytes for a in response.outputs.values()) > OFFLOAD_BYTES:
+            out, json_length = await loop.run_in_executor(None, encode_response, response)
+        else:
+            out, json_length = encode_response(response)
+        if json_length is None:
+            return web.Response(body=out, content_type="application/json")
+        return web.Response(body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
+
+    return await request.app[DATAPLANE].infer(*_model(request), loop.time(), read, deliver)
+
+
 @routes.get("/v2/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     """This API's OpenAPI 3 description (``configs/openapi.yaml``)."""
@@ -108,40 +142,6 @@ async def model_ready(request: web.Request) -> web.Response:
 async def model_config(request: web.Request) -> web.Response:
     """The model's configuration in Triton's model-config JSON form (what perf_analyzer and tritonclient read)."""
     return _json(await request.app[DATAPLANE].model_config(*_model(request)))
-
-
-@routes.post("/v2/models/{model}/infer")
-@routes.post("/v2/models/{model}/versions/{version}/infer")
-async def infer(request: web.Request) -> web.Response:
-    loop = asyncio.get_running_loop()
-    server = request.app[CONFIG].server
-    hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
-
-    async def read() -> InferRequest:
-        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
-        header_length = request.headers.get(HEADER_LENGTH)
-        # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
-        json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
-        if json_bytes > OFFLOAD_BYTES:
-            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
-        else:
-            decoded = decode_request(body, header_length, server.max_tensor_elements)
-        if hash_header is not None:
-            decoded.routing_key = request.headers.get(hash_header)
-        elif hash_parameter is not None and decoded.parameters.get(hash_parameter) is not None:
-            decoded.routing_key = str(decoded.parameters[hash_parameter])
-        return decoded
-
-    async def deliver(response: InferResponse) -> web.Response:
-        if sum(a.nbytes for a in response.outputs.values()) > OFFLOAD_BYTES:
-            out, json_length = await loop.run_in_executor(None, encode_response, response)
-        else:
-            out, json_length = encode_response(response)
-        if json_length is None:
-            return web.Response(body=out, content_type="application/json")
-        return web.Response(body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
-
-    return await request.app[DATAPLANE].infer(*_model(request), loop.time(), read, deliver)
 
 
 def warm_codec(slot: ModelSlot) -> None:

@@ -35,6 +35,10 @@ class Router:
                 unloaded, load failed, shutting down. DeadlineExceeded: 504 - the load outlasted the deadline.
         """
         cfg = slot.cfg
+        if slot.state == READY and cfg.fallback is None:  # the common case, without another coroutine
+            slot.inflight += 1
+            slot.last_used = asyncio.get_running_loop().time()
+            return slot
         if allow_fallback and cfg.fallback is not None:
             fallback = self.repository.slot(cfg.fallback)
             depth = slot.runner.queue_depth if slot.runner is not None else 0

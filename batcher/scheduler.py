@@ -119,6 +119,7 @@ class ModelRunner:
         self._last_arrival: float | None = None
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0  # its timers' resolution
         self._running: set[asyncio.Future] = set()
         self._closing = False
         self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
@@ -282,10 +283,13 @@ class ModelRunner:
                 taken = set(map(id, batch))
                 self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                 return batch
+            # the window closes, or an arrival wakes it (uvloop: no timer under its 1 ms tick, which would fire at
+            # once and spin until its clock moves)
+            timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)
             try:
-                await asyncio.wait_for(self._wakeup.wait(), wait)
-            except asyncio.TimeoutError:
-                pass
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
 
     def _finish(self, token: tuple[int, int], batch: list[Pending], fut: asyncio.Future) -> None:
         self._running.discard(fut)

@@ -54,6 +54,13 @@ def require_enabled(config: SharedMemoryConfig, kind: str) -> None:
         raise NotFound(f"{kind} shared memory is disabled (server.shared_memory.{kind}: false)")
 
 
+def uses_shm(request: InferRequest) -> bool:
+    """Whether the request names a shared-memory region (an input or a requested output); most do not, and skip
+    the registry altogether."""
+    return (any(isinstance(t, ShmInput) for t in request.inputs.values())
+            or any(o.shm is not None for o in request.outputs or ()))
+
+
 class SharedMemoryRegistry:
     """The registered regions by name. Used from the event loop; CUDA work runs in worker threads."""
 

@@ -20,6 +20,7 @@ engines' sockets), set before any process imports prometheus-client, marked for 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
@@ -34,6 +35,7 @@ import time
 from typing import Any
 
 from .config import Config
+from .errors import ConfigError
 from .topology import device_name, engine_devices
 
 log = logging.getLogger("batcher")
@@ -49,6 +51,32 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s {role}%(name)s: %(message)s"
 def setup_logging(level: str, role: str = "") -> None:
     """The server's log format; children name themselves (``[frontend 1] ``)."""
     logging.basicConfig(level=level.upper(), format=_LOG_FORMAT.format(role=role), stream=sys.stderr, force=True)
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """A new event loop of ``server.event_loop``'s kind (``"asyncio"`` or ``"uvloop"``).
+
+    Raises:
+        ConfigError: uvloop is asked for and not installed.
+    """
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            raise ConfigError('server.event_loop: uvloop is not installed (pip install -e ".[uvloop]")') from None
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run(coro: Any, kind: str) -> Any:
+    """Run ``coro`` to its end on a new event loop of ``kind`` (:func:`new_event_loop`)."""
+    loop = new_event_loop(kind)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def child_setup(role: str, log_level: str) -> None:

@@ -112,8 +112,10 @@ def _owner(server, client_port: int) -> int:
 
 @pytest.fixture(scope="module")
 def multi_server(tmp_path_factory, cache_dir):
-    """The embedded default config (the six zoo models) in multi-process mode: two front ends, one engine."""
-    with ServerProcess({**_default_config(), "server": {**_default_config()["server"], "frontends": 2}},
+    """The embedded default config (the six zoo models) in multi-process mode: two front ends, one engine, on
+    uvloop's event loop (``server.event_loop``)."""
+    server_cfg = {**_default_config()["server"], "frontends": 2, "event_loop": "uvloop"}
+    with ServerProcess({**_default_config(), "server": server_cfg},
                        tmp_path_factory.mktemp("multi"), name="multi") as server:
         _wait_log(server, r"serving KServe v2")
         yield server
