@@ -63,11 +63,15 @@ class Pending:
     timer: Any = field(default=None, repr=False)
     #: priority level, 1 = highest (Triton's ``priority`` request parameter; 0 there means "the default level").
     priority: int = 1
-    #: held while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`drop_lease` ends the hold.
+    #: held while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`settle` ends the hold.
     lease: Any = field(default=None, repr=False)
 
-    def drop_lease(self) -> None:
-        """The inputs will not be read again (the request left the queue, or its batch is done)."""
+    def settle(self) -> None:
+        """Done with: it left the queue, or its batch ended. Its deadline timer is off and its inputs will not be
+        read again (the lease ends)."""
+        self.state = State.DONE
+        if self.timer is not None:
+            self.timer.cancel()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()

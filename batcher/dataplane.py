@@ -27,7 +27,7 @@ from engines.base import ExecutionContext
 
 from .config import Config
 from .errors import BatcherError, ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
-from .executor import Executor, ThreadExecutor
+from .executor import Executor, ThreadExecutor, executor_for
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
 from .repository import READY, ModelRepository, ModelSlot
@@ -36,8 +36,7 @@ from .routing import Router
 from .scheduler import ModelRunner
 from .shm import SharedMemoryRegistry, uses_shm
 from .signature import ModelSignature
-from .strategy import Strategy, Target
-from .topology import weight
+from .strategy import Strategy
 from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
@@ -123,8 +122,7 @@ class DataPlane:
         self._deliver_checks_deadline = deliver_checks_deadline
         self.metrics = metrics
         self.repository = repository or ModelRepository(config, metrics)
-        self.router = Router(self.repository)
-        self.strategy = Strategy(config.routing.strategy)
+        self.router = Router(self.repository, Strategy(config.routing.strategy))
         self.repository.on_load.insert(0, self._attach_runner)
         #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
         self.shm = SharedMemoryRegistry(config.server.shared_memory)
@@ -135,17 +133,11 @@ class DataPlane:
 
     def _attach_runner(self, slot: ModelSlot) -> None:
         """Load hook: the batcher and one executor thread per execution context."""
-        executors = [self._make_executor(slot, ctx, f"{slot.name}-ctx{i}") for i, ctx in enumerate(slot.loaded.contexts)]
+        inline_us = self.config.server.inline_execution_us if self._executor is ThreadExecutor else 0
+        executors = [executor_for(self._executor, slot.cfg, ctx, f"{slot.name}-ctx{i}", inline_us)
+                     for i, ctx in enumerate(slot.loaded.contexts)]
         slot.runner = ModelRunner(slot.cfg, slot.loaded.signature, executors,
                                   self.metrics.for_model(slot.name, slot.version), slot.stats)
-
-    def _make_executor(self, slot: ModelSlot, ctx: ExecutionContext, name: str) -> Executor:
-        """The owner of one context: CPU contexts in this process may run tiny batches inline
-        (``server.inline_execution_us``); worker-process and GPU contexts never do."""
-        inline_us = self.config.server.inline_execution_us
-        if self._executor is ThreadExecutor and inline_us and slot.cfg.mode == "inprocess" and slot.cfg.device == "cpu":
-            return ThreadExecutor(ctx, name, inline_s=inline_us / 1e6)
-        return self._executor(ctx, name)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -215,7 +207,7 @@ class DataPlane:
         try:
             request = await read()
             if version is None:
-                target = owner = self._choose_version(target, request.routing_key)
+                target = owner = self.router.choose_version(target, request.routing_key)
             held = self.shm.hold(request) if uses_shm(request) else None
             async with held or contextlib.nullcontext():  # regions the request names stay mapped until it is done
                 inputs = await held.inputs() if held is not None else request.inputs
@@ -247,18 +239,6 @@ class DataPlane:
             self._inflight.leave()
         self._count(owner, None, received)
         return answer
-
-    def _choose_version(self, target: ModelSlot, key: str | None) -> ModelSlot:
-        """A request that named no version: ``routing.strategy`` weighted or hash may send it to any served version
-        of the model (:mod:`batcher.strategy`), least_queue to the default one (``target``)."""
-        if not self.strategy.spreads(key):
-            return target
-        slots = [self.repository.slots[target.name][v] for v in self.repository.served_versions(target.name)]
-        if len(slots) < 2:
-            return target
-        targets = [Target(f"{s.name}/{s.version}", weight(s.cfg), s.runner.queue_depth if s.runner else 0)
-                   for s in slots]
-        return slots[self.strategy.choose(target.name, targets, key)]
 
     def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:
         """The one place an inference outcome is counted: ``reason`` None is a success."""

@@ -18,6 +18,7 @@ version has here - waiting, running or being delivered - which front ends read t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -219,10 +220,8 @@ class EngineServer:
 
     async def start(self) -> None:
         """Listen (a stale socket file of an earlier engine process is replaced)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(64)
@@ -281,10 +280,8 @@ class EngineServer:
                 pass
         if self._listener is not None:
             self._listener.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
         for conn in list(self.connections):
             conn.channel.close()
             await conn.closed.wait()

@@ -207,10 +207,7 @@ class ModelRunner:
 
     def _settle_queued(self, p: Pending) -> None:
         """Take a QUEUED request out of the queue's count (it stays in the list until the next purge)."""
-        p.state = State.DONE
-        if p.timer is not None:
-            p.timer.cancel()
-        p.drop_lease()
+        p.settle()
         self._queued_rows -= p.rows
         self._set_depth(self._depth - 1)
 
@@ -306,10 +303,7 @@ class ModelRunner:
             if result.rows:
                 self._record_batch(result, len(batch))
         for p, out in zip(batch, outcomes):
-            p.state = State.DONE
-            if p.timer is not None:
-                p.timer.cancel()
-            p.drop_lease()
+            p.settle()
             if p.future.done():  # the client went away or the deadline passed: its rows are discarded
                 continue
             if isinstance(out, BaseException):
