@@ -63,8 +63,12 @@ class Pending:
     timer: Any = field(default=None, repr=False)
     #: priority level, 1 = highest (Triton's ``priority`` request parameter; 0 there means "the default level").
     priority: int = 1
-    #: held while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`settle` ends the hold.
+    #: held from here while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`settle` ends the hold.
     lease: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.lease is not None:
+            self.lease.acquire()
 
     def settle(self) -> None:
         """Done with: it left the queue, or its batch ended. Its deadline timer is off and its inputs will not be

@@ -109,8 +109,7 @@ class InstanceGroup(_Strict):
     count: int = Field(1, ge=1, le=64)
     kind: Literal["KIND_CPU", "KIND_GPU"] = "KIND_CPU"
     gpus: list[int] | None = None
-    #: ``routing.strategy: weighted``: this group's share of the requests, on each of its GPUs (default 1); this
-    #: server's addition (for unequal GPUs, or a canary version with a small weight).
+    #: routing.strategy weighted: the group's share of requests on each of its GPUs (default 1; this server's key)
     weight: int | None = Field(None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
@@ -393,21 +392,15 @@ class ServerConfig(_Strict):
     model_repository: str | None = None
     #: Triton's system and CUDA shared-memory extensions (:class:`SharedMemoryConfig`), off unless enabled.
     shared_memory: SharedMemoryConfig = SharedMemoryConfig()
-    #: front-end processes (HTTP, decoding, encoding) in front of one engine process per GPU (one for the CPU
-    #: models), all on one port (SO_REUSEPORT); 0: one process does everything (single-process mode). Default
-    #: (null): :func:`default_frontends` - the usable cores, at most 8, and 0 on machines with 2 cores or fewer.
+    #: front-end processes before one engine process per GPU (batcher.topology); 0: single-process mode; null:
+    #: the usable cores, at most 8, and 0 on 2 cores or fewer (README "Serving modes")
     frontends: int | None = Field(None, ge=0, le=64)
-    #: multi-process mode: the shared memory between one front end and one engine process (MiB): request
-    #: tensors of 64 KiB and more travel through it (half), outputs of 64 KiB and more back (the other half).
+    #: MiB of shared memory per front end and engine process, for tensors of 64 KiB and more (batcher.ipc)
     frontend_buffer_mb: int = Field(64, ge=1, le=65536)
-    #: a CPU execution context (mode inprocess) whose last 16 batches each took at most this many microseconds
-    #: runs its next batches on the event loop instead of its thread: the hand-off to the thread and back costs
-    #: about 30 us of CPU per batch on a 2-core machine, more than such a batch (README "Serving modes"); a slower
-    #: batch sends the next ones back to the thread. 0: always the thread.
+    #: a CPU context whose batches average at most this much CPU runs them on the event loop, not its thread
+    #: (cheaper than the hand-off; batcher.executor); 0: always the thread
     inline_execution_us: int = Field(100, ge=0, le=10_000)
-    #: the event loop of every process: asyncio's, or uvloop's (``pip install -e ".[uvloop]"``): less CPU per
-    #: request (README "Serving modes"), but its timers and clock have millisecond resolution, so batch windows
-    #: and deadlines are kept to the millisecond.
+    #: every process's event loop; uvloop (extra "uvloop") costs less CPU, its timers tick in milliseconds
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     @model_validator(mode="after")
@@ -429,16 +422,10 @@ class RoutingConfig(_Strict):
     #: a request naming a version that is not loadable (unknown or outside the version policy): serve it with the
     #: model's default version (fallback) or answer 404 (reject).
     version_mismatch: Literal["fallback", "reject"] = "reject"
-    #: where a request goes when it can go to several queues - versions of a model (a request that names no
-    #: version) and GPUs (one queue per GPU): ``least_queue`` the default version, on the GPU with the fewest
-    #: requests waiting or running; ``weighted`` every served version and GPU in proportion to its instance
-    #: groups' ``weight`` (smooth weighted round robin); ``hash`` sticky by a request key (``hash_header`` or
-    #: ``hash_parameter``; weighted rendezvous hashing; requests without the key go as least_queue). Within one
-    #: queue, contexts take batches as they become idle (least-queue by construction).
+    #: which queue (model version, GPU) a request goes to where there are several (batcher.strategy): least_queue,
+    #: weighted (instance_group weights), hash (sticky by the header or request parameter named below)
     strategy: Literal["least_queue", "weighted", "hash"] = "least_queue"
-    #: ``strategy: hash``: the HTTP header whose value is the key (e.g. ``X-Session-Id``)...
     hash_header: str | None = Field(None, min_length=1)
-    #: ...or the request parameter (``parameters.<name>`` of the inference request).
     hash_parameter: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")

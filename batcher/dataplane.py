@@ -114,9 +114,8 @@ class DataPlane:
                  executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor, *,
                  deliver_checks_deadline: bool = False) -> None:
         """``executor(context, name)`` makes the owner of one execution context (a thread by default; tests pass
-        one that runs batches on the event loop). ``deliver_checks_deadline``: ``deliver`` itself raises
-        DeadlineExceeded for an answer ready after the deadline (an engine process: its front end encodes and
-        decides), instead of this class checking when ``deliver`` returns."""
+        one that runs batches on the event loop). ``deliver_checks_deadline``: ``deliver`` raises DeadlineExceeded
+        for an answer ready too late (an engine process: its front end decides), this class does not check."""
         self.config = config
         self._executor = executor
         self._deliver_checks_deadline = deliver_checks_deadline
@@ -133,9 +132,8 @@ class DataPlane:
 
     def _attach_runner(self, slot: ModelSlot) -> None:
         """Load hook: the batcher and one executor thread per execution context."""
-        inline_us = self.config.server.inline_execution_us if self._executor is ThreadExecutor else 0
-        executors = [executor_for(self._executor, slot.cfg, ctx, f"{slot.name}-ctx{i}", inline_us)
-                     for i, ctx in enumerate(slot.loaded.contexts)]
+        executors = [executor_for(self._executor, slot.cfg, ctx, f"{slot.name}-ctx{i}",
+                                  self.config.server.inline_execution_us) for i, ctx in enumerate(slot.loaded.contexts)]
         slot.runner = ModelRunner(slot.cfg, slot.loaded.signature, executors,
                                   self.metrics.for_model(slot.name, slot.version), slot.stats)
 
@@ -206,8 +204,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         try:
             request = await read()
-            if version is None:
-                target = owner = self.router.choose_version(target, request.routing_key)
+            target = owner = self.router.choose_version(target, request.routing_key) if version is None else target
             held = self.shm.hold(request) if uses_shm(request) else None
             async with held or contextlib.nullcontext():  # regions the request names stay mapped until it is done
                 inputs = await held.inputs() if held is not None else request.inputs
@@ -215,14 +212,12 @@ class DataPlane:
                 owner = slot = await self.router.acquire(target, deadline)
                 try:
                     rows = slot.signature.check(slot.name, inputs)
-                    if request.outputs:
-                        slot.signature.check_outputs(slot.name, [o.name for o in request.outputs])
+                    slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
                     outputs = await slot.runner.infer(inputs, rows=rows, received=received, deadline=deadline,
                                                       priority=request.priority, lease=request.lease)
                 finally:
                     self.router.release(slot)
-                if held is not None:
-                    await held.write(outputs)
+                await held.write(outputs) if held is not None else None
                 answer = await deliver(InferResponse(slot.name, slot.version, outputs, request, deadline))
             if not self._deliver_checks_deadline and deadline is not None and loop.time() > deadline:
                 raise late_answer(slot.name)  # ready too late: no answer after a deadline
@@ -334,9 +329,7 @@ class DataPlane:
 
     def repository_events(self) -> dict[str, Any]:
         """Load, evict and unload events with durations and memory before/after, and the memory counted."""
-        repo = self.repository
-        return {"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
-                "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None}
+        return self.repository.events()
 
     async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
         """Load every served version of ``model``, with ``config`` applied first (:func:`load_versions`).

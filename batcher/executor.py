@@ -270,9 +270,9 @@ class ThreadExecutor:
 
 def executor_for(factory: Callable[[ExecutionContext, str], Executor], cfg: Any, context: ExecutionContext,
                  name: str, inline_us: int = 0) -> Executor:
-    """The owner of one of ``cfg``'s contexts: ``factory(context, name)``, except that a CPU context in this process
-    gets a :class:`ThreadExecutor` that may run tiny batches inline when ``inline_us`` (``server.inline_execution_us``)
-    is set; worker-process and GPU contexts never run inline."""
-    if inline_us and cfg.mode == "inprocess" and cfg.device == "cpu":
+    """The owner of one of ``cfg``'s contexts: ``factory(context, name)``; a :class:`ThreadExecutor` factory gives a
+    CPU context in this process one that may run tiny batches inline when ``inline_us`` is set
+    (``server.inline_execution_us``); worker-process and GPU contexts never run inline."""
+    if factory is ThreadExecutor and inline_us and cfg.mode == "inprocess" and cfg.device == "cpu":
         return ThreadExecutor(context, name, inline_s=inline_us / 1e6)
     return factory(context, name)

@@ -119,7 +119,7 @@ class ModelRunner:
         self._last_arrival: float | None = None
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0  # its timers' resolution
+        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0  # uvloop: ms timers
         self._running: set[asyncio.Future] = set()
         self._closing = False
         self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
@@ -143,8 +143,8 @@ class ModelRunner:
             inputs: inputs validated against the signature (:meth:`ModelSignature.check`), first dim ``rows``.
             received: event-loop time (s) the request arrived; its batch window counts from here.
             deadline: event-loop time after which it must not be answered with outputs.
-            priority: ``parameters.priority`` (:func:`batcher.batching.priority_level`).
-            lease: held from queueing until the inputs are no longer read (:class:`batcher.protocol.Lease`).
+            priority: ``parameters.priority`` (:func:`batcher.batching.priority_level`). lease: held from queueing
+                until the inputs are no longer read (:class:`batcher.protocol.Lease`).
 
         Returns:
             the request's rows of every output (views into its batch's outputs).
@@ -167,7 +167,7 @@ class ModelRunner:
             if deadline <= now:
                 raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
-                    priority=priority_level(priority, self._levels, self._default_level))
+                    priority=priority_level(priority, self._levels, self._default_level), lease=lease)
         if self._last_arrival is not None:
             self._gap_s += GAP_EWMA_ALPHA * (min(received - self._last_arrival, 1.0) - self._gap_s)
         self._last_arrival = received
@@ -176,9 +176,6 @@ class ModelRunner:
         if self._tail is not None:
             key = urgency(p, received)
             self._tail = key if self._starve_s is None and (not self._tail or key >= self._tail) else None
-        if lease is not None:
-            lease.acquire()
-            p.lease = lease
         self._queue.append(p)
         self._queued_rows += rows
         self._set_depth(self._depth + 1)
@@ -280,8 +277,7 @@ class ModelRunner:
                 taken = set(map(id, batch))
                 self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                 return batch
-            # the window closes, or an arrival wakes it (uvloop: no timer under its 1 ms tick, which would fire at
-            # once and spin until its clock moves)
+            # or an arrival wakes it; never under uvloop's 1 ms tick (such a timer fires at once: the window would spin)
             timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)
             try:
                 await self._wakeup.wait()
