@@ -176,7 +176,10 @@ class RemoteDataPlane:
         cfg, links = self._serving(model, version)
         if not self.ready:
             return False
-        answers = await asyncio.gather(*(link.call("model_ready", cfg.name, str(cfg.version)) for link in links))
+        try:
+            answers = await asyncio.gather(*(link.call("model_ready", cfg.name, str(cfg.version)) for link in links))
+        except Unavailable:  # an engine process went away meanwhile
+            return False
         return all(answers)
 
     async def statistics(self, model: str | None = None, version: str | None = None) -> dict[str, Any]:

@@ -105,11 +105,16 @@ def pack_tensors(tensors: Mapping[str, Any], area: Area | None, allocator: Alloc
     return entries, blocks
 
 
-def unpack_tensors(entries: list[tuple], area: Area | None) -> dict[str, Any]:
-    """The tensors of :func:`pack_tensors`' entries; arrays in ``area`` are views (no copy)."""
+def unpack_tensors(entries: list[tuple], area: Area | None, copy: bool = False) -> dict[str, Any]:
+    """The tensors of :func:`pack_tensors`' entries; arrays in ``area`` are views, or copies with ``copy`` (the
+    block may then be given back at once, whatever happens to the arrays)."""
     out = {}
     for e in entries:
-        out[e[0]] = e[1] if len(e) == 2 else np.ndarray(e[2], np.dtype(e[1]), buffer=area.buf, offset=e[3])
+        if len(e) == 2:
+            out[e[0]] = e[1]
+        else:
+            view = np.ndarray(e[2], np.dtype(e[1]), buffer=area.buf, offset=e[3])
+            out[e[0]] = view.copy() if copy else view
     return out
 
 

@@ -222,7 +222,9 @@ class EngineLink:
         return fut
 
     def outputs(self, entries: list) -> dict[str, Any]:
-        return unpack_tensors(entries, self._area)
+        """A RESULT's outputs, copied out of the shared area: encoding them (perhaps in a worker thread that
+        outlives a client that went away) never reads a block the engine process may reuse after ABORT/ACK."""
+        return unpack_tensors(entries, self._area, copy=True)
 
     def abort(self, rid: int) -> None:
         if self.connected:

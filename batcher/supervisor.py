@@ -180,7 +180,7 @@ class Supervisor:
             for c in self.frontends:
                 c.args = (*c.args[:3], self.server.host, self.port, *c.args[3:])
             code = self._start_engines()
-            if code:
+            if code or self.stopping:
                 return code
             for c in self.frontends:
                 c.start(self.ctx)

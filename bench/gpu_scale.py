@@ -1,6 +1,6 @@
 """Issue 10 on a GPU machine: front-end processes, shared memory, retention, two GPUs; resnet18 through HTTP.
 
-Run on a machine with an NVIDIA GPU, onnxruntime-gpu, cuda-python, uvloop and tritonclient (the test extras)::
+Run on a machine with an NVIDIA GPU, onnxruntime-gpu, cuda-python and uvloop (extras gpu, uvloop)::
 
     python -m bench.gpu_scale --out bench/results/gpu_scale --parts r,n        # about 6 minutes on an H200
     python -m bench.gpu_scale --out bench/results/gpu_scale --parts r,m,t      # about 5 minutes

@@ -97,16 +97,19 @@ def part_frontends(raw: list[dict], args, out: Path) -> list[dict]:
 def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
     """(m) the input in system shared memory (one read-only segment every request names; outputs binary), against
     binary HTTP, at the largest number of front ends of --frontends."""
-    import tritonclient.utils.shared_memory as shm
+    from multiprocessing.shared_memory import SharedMemory
+
+    import numpy as np
+    import orjson
 
     n = max(args.frontends)
     x = images(1, seed=2)
-    key, region = f"/trtb-scale-{id(args)}", "scale-input"
-    handle = shm.create_shared_memory_region(region, key, x.nbytes)
+    region = "scale-input"
+    segment = SharedMemory(name=f"trtb-scale-{id(args)}", create=True, size=x.nbytes)  # a POSIX segment, /dev/shm
+    key = "/" + segment.name
     rows: list[dict] = []
     try:
-        shm.set_shared_memory_region(handle, [x])
-        import orjson
+        np.ndarray(x.shape, x.dtype, buffer=segment.buf)[...] = x
 
         body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "parameters": {
             "shared_memory_region": region, "shared_memory_byte_size": x.nbytes}}],
@@ -125,7 +128,8 @@ def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
                                         frontends=n, transport=transport))
                     say(f"  (m) {rows[-1]}")
     finally:
-        shm.destroy_shared_memory_region(handle)
+        segment.close()
+        segment.unlink()
     finish(out, "scale_m_shm", f"(m) {args.model}: binary HTTP against system shared memory ({n} front ends)", rows)
     return rows
 
