@@ -33,6 +33,9 @@ from .batch_sizes import padded_size
 
 def shape_key(inputs: dict[str, np.ndarray]) -> Hashable:
     """Key that is equal for requests that may share a batch: per input, name, dtype and non-batch dims."""
+    if len(inputs) == 1:  # most models
+        ((name, a),) = inputs.items()
+        return ((name, a.dtype.str, a.shape[1:]),)
     return tuple((name, a.dtype.str, a.shape[1:]) for name, a in sorted(inputs.items()))
 
 

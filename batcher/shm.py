@@ -57,8 +57,13 @@ def require_enabled(config: SharedMemoryConfig, kind: str) -> None:
 def uses_shm(request: InferRequest) -> bool:
     """Whether the request names a shared-memory region (an input or a requested output); most do not, and skip
     the registry altogether."""
-    return (any(isinstance(t, ShmInput) for t in request.inputs.values())
-            or any(o.shm is not None for o in request.outputs or ()))
+    for t in request.inputs.values():
+        if type(t) is ShmInput:
+            return True
+    for o in request.outputs or ():
+        if o.shm is not None:
+            return True
+    return False
 
 
 class SharedMemoryRegistry:
