@@ -130,9 +130,10 @@ def _zoo() -> int:
     return 0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (port 0: an ephemeral one), not yet listening: the server binds before
-    any model loads, so a port in use is reported at once; it listens once the models are loaded.
+    any model loads, so a port in use is reported at once; it listens once the models are loaded. ``reuse_port``
+    (multi-process mode): ``SO_REUSEPORT``, so that the front ends can listen on the same port.
 
     Raises:
         OSError: the address cannot be resolved or bound (e.g. the port is in use).
@@ -142,6 +143,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does on Unix
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except BaseException:
         sock.close()

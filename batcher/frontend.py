@@ -20,7 +20,8 @@ from .errors import RemoteError, Unavailable
 from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
-from .remote import Catalog, EngineLink
+from .remote import EngineLink
+from .repository import ModelSlots
 from .strategy import Strategy, Target
 from .topology import device_name, engine_devices, engine_slots, model_devices, weight
 
@@ -40,7 +41,7 @@ class RemoteDataPlane:
     def __init__(self, config: Config, metrics: Metrics, paths: dict[int | None, str]) -> None:
         self.config = config
         self.metrics = metrics
-        self.catalog = Catalog(config)
+        self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
         self.links = [EngineLink(d, paths[d], engine_slots(config, d)) for d in engine_devices(config)]
         by_device = {link.device: link for link in self.links}
@@ -77,7 +78,7 @@ class RemoteDataPlane:
         """The engine process and model version for one request (:mod:`batcher.strategy`); None: every engine
         process that could serve it is down."""
         key = request.routing_key if request is not None else None
-        cfgs = self.catalog.served_cfgs(cfg.name) if not named and self.strategy.spreads(key) else [cfg]
+        cfgs = self._served_cfgs(cfg.name) if not named and self.strategy.spreads(key) else [cfg]
         options = [(link, c) for c in cfgs for link in self._links_of[(c.name, str(c.version))] if link.connected]
         if not options:
             return None
@@ -92,7 +93,7 @@ class RemoteDataPlane:
                     deliver: Callable[[InferResponse], Awaitable[T]]) -> T:
         """:meth:`batcher.dataplane.DataPlane.infer` across the process boundary (module docstring); the same
         answers, counted once by the engine process that served it."""
-        cfg = self.catalog.lookup(model, version)  # 404 before reading, as in single-process mode
+        cfg = self.catalog.slot(model, version).cfg  # 404 before reading, as in single-process mode
         request: InferRequest | None = None
         failure: Any = None
         error: BaseException | None = None
@@ -156,9 +157,12 @@ class RemoteDataPlane:
         link.ack(rid)
         return answer
 
+    def _served_cfgs(self, name: str) -> list[ModelConfig]:
+        return [self.catalog.slots[name][v].cfg for v in self.catalog.served_versions(name)]
+
     # ---------------------------------------------------------------- other calls
     def _serving(self, model: str, version: str | None) -> tuple[ModelConfig, list[EngineLink]]:
-        cfg = self.catalog.lookup(model, version)
+        cfg = self.catalog.slot(model, version).cfg
         return cfg, self._links_of[(cfg.name, str(cfg.version))]
 
     async def _first(self, method: str, model: str, version: str | None) -> Any:
@@ -185,15 +189,16 @@ class RemoteDataPlane:
     async def statistics(self, model: str | None = None, version: str | None = None) -> dict[str, Any]:
         links = self.links
         if model is not None:
-            cfg = self.catalog.lookup(model, version)
-            cfgs = [cfg] if version is not None else self.catalog.served_cfgs(cfg.name)
+            cfg = self.catalog.slot(model, version).cfg
+            cfgs = [cfg] if version is not None else self._served_cfgs(cfg.name)
             links = list(dict.fromkeys(link for c in cfgs for link in self._links_of[(c.name, str(c.version))]))
         docs = await asyncio.gather(*(link.call("statistics", model, version) for link in links))
         return merge_statistics(docs)
 
-    async def repository_index(self) -> list[dict[str, Any]]:
+    async def repository_index(self, ready: bool | None = None) -> list[dict[str, Any]]:
         docs = await asyncio.gather(*(self._index_of(link) for link in self.links))
-        return merge_index(self.config.models, [(set(link.keys), doc) for link, doc in zip(self.links, docs)])
+        merged = merge_index(self.config.models, [(set(link.keys), doc) for link, doc in zip(self.links, docs)])
+        return [e for e in merged if ready is None or (e["state"] == "READY") == ready]
 
     async def _index_of(self, link: EngineLink) -> list[dict[str, Any]]:
         if not link.connected:
@@ -208,17 +213,17 @@ class RemoteDataPlane:
                 "memory_used_bytes": sum(d["memory_used_bytes"] for d in docs),
                 "memory_budget_bytes": sum(budgets) if budgets else None}
 
-    async def load(self, model: str) -> None:
-        await self._on_all_serving("load", model)
+    async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        await self._on_all_serving("load", model, config)
 
     async def unload(self, model: str) -> None:
         await self._on_all_serving("unload", model)
 
-    async def _on_all_serving(self, method: str, model: str) -> None:
-        self.catalog.lookup(model, None)
+    async def _on_all_serving(self, method: str, model: str, *args: Any) -> None:
+        self.catalog.slot(model, None)
         links = {link for cfg in self.config.models if cfg.name == model
                  for link in self._links_of[(cfg.name, str(cfg.version))]}
-        await asyncio.gather(*(link.call(method, model) for link in links))
+        await asyncio.gather(*(link.call(method, model, *args) for link in links))
 
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
         """Any other public data-plane method (e.g. the shared-memory extension's): called in every engine process

@@ -20,7 +20,6 @@ this module does not know (e.g. the shared-memory extension's) is sent to every 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import socket
@@ -28,43 +27,17 @@ from typing import Any
 
 import numpy as np
 
-from .config import Config, ModelConfig
-from .errors import ModelNotFound, RemoteError, Unavailable
+from .config import ModelConfig
+from .errors import RemoteError, Unavailable
 from .ipc import (ABORT, ACK, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
                   recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
-from .repository import pick_version
-from .topology import device_name, selected_versions
+from .topology import device_name
 
 log = logging.getLogger(__name__)
 
 #: seconds between attempts to reach an engine process that is down, doubling up to the second figure.
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.05, 1.0
-
-
-class Catalog:
-    """The configured model versions and which are served: a front end's 404s without asking an engine."""
-
-    def __init__(self, config: Config) -> None:
-        self.mismatch = config.routing.version_mismatch
-        by_name: dict[str, list[ModelConfig]] = collections.defaultdict(list)
-        for cfg in config.models:
-            by_name[cfg.name].append(cfg)
-        self.cfgs = {name: {str(c.version): c for c in cfgs} for name, cfgs in by_name.items()}
-        self.served = {name: [str(v) for v in sorted(selected_versions(cfgs))] for name, cfgs in by_name.items()}
-
-    def lookup(self, name: str, version: str | None) -> ModelConfig:
-        """The config of the version a request for ``name``/``version`` goes to (:func:`pick_version`).
-
-        Raises:
-            ModelNotFound: unknown model, or a version that is not served.
-        """
-        if name not in self.cfgs:
-            raise ModelNotFound(f"unknown model '{name}'; models: {sorted(self.cfgs)}")
-        return self.cfgs[name][pick_version(name, version, self.served[name], self.mismatch)]
-
-    def served_cfgs(self, name: str) -> list[ModelConfig]:
-        return [self.cfgs[name][v] for v in self.served[name]]
 
 
 class _Sent:

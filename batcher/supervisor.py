@@ -28,12 +28,12 @@ import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
 from typing import Any
 
+from .cli import bind_socket
 from .config import Config
 from .errors import ConfigError
 from .topology import device_name, engine_devices
@@ -171,8 +171,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         log.info("multi-process mode: runtime folder %s (engine sockets, metrics)", self.dir)
         try:
-            try:
-                self.reservation = _reserve(self.server.host, self.server.port)
+            try:  # bound, not listening: port 0 resolves once, and no other program takes the port meanwhile
+                self.reservation = bind_socket(self.server.host, self.server.port, reuse_port=True)
             except OSError as exc:
                 log.error("cannot serve on %s:%d: %s", self.server.host, self.server.port, exc)
                 return 1
@@ -269,26 +269,6 @@ class Supervisor:
         reservation = getattr(self, "reservation", None)
         if reservation is not None:
             reservation.close()
-
-
-def _reserve(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` and not listening: it resolves port 0 and keeps the
-    port from other programs while the front ends (same option) listen on it.
-
-    Raises:
-        OSError: the address cannot be bound (in use by a program without SO_REUSEPORT, or not local).
-    """
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def serve_multiprocess(config: Config, frontends: int, access_log: bool = False) -> int:

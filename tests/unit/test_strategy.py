@@ -53,7 +53,7 @@ def test_hash_is_sticky_and_its_distribution_over_a_fixed_key_set_is_exact():
     assert [s.choose("resnet18", gpus, k) for k in KEYS] == first  # sticky
     other = subprocess.run(  # another process (front ends are processes; Python's own hash() is salted per process)
         [sys.executable, "-c", "from batcher.strategy import Target, rendezvous; "
-         f"print(''.join(str(rendezvous(f'user-{{i}}', [Target('resnet18/1@gpu0'), Target('resnet18/1@gpu1')])) "
+         "print(''.join(str(rendezvous(f'user-{i}', [Target('resnet18/1@gpu0'), Target('resnet18/1@gpu1')])) "
          "for i in range(1000)))"], capture_output=True, text=True, check=True, cwd=ROOT)
     assert other.stdout.strip() == "".join(map(str, first))
     assert Counter(first) == {0: 518, 1: 482}
