@@ -82,6 +82,12 @@ async def load_versions(repository: ModelRepository, slots: list[ModelSlot], con
             await repository.reload(slot, cfg)
 
 
+def events_doc(repo: ModelRepository) -> dict[str, Any]:
+    """The lifecycle events (:mod:`batcher.events`) and the memory counted against the budget."""
+    return {"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
+            "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None}
+
+
 class Inflight:
     """Accepted inference requests not yet answered, and the SIGTERM drain that waits for them."""
 
@@ -113,9 +119,8 @@ class DataPlane:
     def __init__(self, config: Config, metrics: Metrics, repository: ModelRepository | None = None,
                  executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor, *,
                  deliver_checks_deadline: bool = False) -> None:
-        """``executor(context, name)`` makes the owner of one execution context (a thread by default; tests pass
-        one that runs batches on the event loop). ``deliver_checks_deadline``: ``deliver`` raises DeadlineExceeded
-        for an answer ready too late (an engine process: its front end decides), this class does not check."""
+        """``executor(context, name)``: the owner of one context (a thread; tests run batches on the event loop).
+        ``deliver_checks_deadline``: ``deliver`` raises DeadlineExceeded for an answer too late (an engine process)."""
         self.config = config
         self._executor = executor
         self._deliver_checks_deadline = deliver_checks_deadline
@@ -125,8 +130,7 @@ class DataPlane:
         self.repository.on_load.insert(0, self._attach_runner)
         #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
         self.shm = SharedMemoryRegistry(config.server.shared_memory)
-        #: False until started, and again from the moment a drain begins: new requests get 503.
-        self.ready = False
+        self.ready = False  # until started, and again from the moment a drain begins: new requests get 503
         self._inflight = Inflight()
         self._monitor: asyncio.Task | None = None
 
@@ -323,13 +327,12 @@ class DataPlane:
         return [s for s in self.repository.slots[model].values() if s.selected]
 
     def repository_index(self, ready: bool | None = None) -> list[dict[str, Any]]:
-        """The repository index (Triton's form: name, version, state, reason; this server adds memory figures);
-        ``ready`` true: only the READY versions, false: only the others."""
+        """The repository index (:meth:`ModelSlots.index`; ``ready``: only the READY versions, or the others)."""
         return self.repository.index(ready)
 
     def repository_events(self) -> dict[str, Any]:
         """Load, evict and unload events with durations and memory before/after, and the memory counted."""
-        return self.repository.events()
+        return events_doc(self.repository)
 
     async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
         """Load every served version of ``model``, with ``config`` applied first (:func:`load_versions`).

@@ -198,11 +198,6 @@ class ModelRepository(ModelSlots):
             metrics.memory_budget.set(self.budget.budget_bytes)
         self._update_memory()
 
-    def events(self) -> dict:
-        """The lifecycle events (:mod:`batcher.events`) and the memory counted against the budget."""
-        return {"events": list(self.lifecycle.events), "memory_used_bytes": self.used_bytes,
-                "memory_budget_bytes": self.budget.budget_bytes if self.budget else None}
-
     @property
     def used_bytes(self) -> int:
         """Bytes counted against the budget by the loaded models (READY, or UNLOADING until freed); a model being

@@ -119,7 +119,8 @@ class ModelRunner:
         self._last_arrival: float | None = None
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0  # uvloop: ms timers
+        # no timer under uvloop's 1 ms tick: it would fire at once and the batch window would spin
+        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0
         self._running: set[asyncio.Future] = set()
         self._closing = False
         self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
@@ -135,8 +136,7 @@ class ModelRunner:
         return self.times.drain(self._queued_rows + self._executing_rows, self._max_batch, len(self._executors))
 
     async def infer(self, inputs: dict[str, np.ndarray], *, rows: int, received: float,
-                    deadline: float | None = None, priority: int | None = None, lease: Lease | None = None
-                    ) -> dict[str, np.ndarray]:
+                    deadline: float | None = None, priority: int | None = None, lease: Lease | None = None) -> dict:
         """Queue one validated request and wait for its outputs.
 
         Args:
@@ -277,8 +277,7 @@ class ModelRunner:
                 taken = set(map(id, batch))
                 self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                 return batch
-            # or an arrival wakes it; never under uvloop's 1 ms tick (such a timer fires at once: the window would spin)
-            timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)
+            timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)  # or an arrival wakes it
             try:
                 await self._wakeup.wait()
             finally:
