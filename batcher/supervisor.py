@@ -174,7 +174,7 @@ class Supervisor:
             try:  # bound, not listening: port 0 resolves once, and no other program takes the port meanwhile
                 self.reservation = bind_socket(self.server.host, self.server.port, reuse_port=True)
             except OSError as exc:
-                log.error("cannot serve on %s:%d: %s", self.server.host, self.server.port, exc)
+                log.error("cannot serve on %s:%d: %s", self.server.host, self.server.port, exc.strerror or exc)
                 return 1
             self.port = self.reservation.getsockname()[1]
             for c in self.frontends:
@@ -226,8 +226,10 @@ class Supervisor:
         log.info("%s ready (pid %d)", c.name, c.process.pid)
         if not self.announced and all(f.is_ready for f in self.frontends):
             self.announced = True
-            log.info("serving KServe v2 on http://%s:%s: %d front end(s), engine processes for %s",
-                     self.server.host, self.port, len(self.frontends), ", ".join(e.name[7:] for e in self.engines))
+            log.info("%d front end(s), engine processes for %s", len(self.frontends),
+                     ", ".join(e.name[7:] for e in self.engines))
+            host = f"[{self.server.host}]" if ":" in self.server.host else self.server.host
+            log.info("serving KServe v2 on http://%s:%d", host, self.port)  # the line single-process mode logs
 
     def _supervise(self) -> None:
         from prometheus_client import multiprocess
