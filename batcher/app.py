@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -85,8 +86,13 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
         pass
 
 
-def create_app(config: Config) -> web.Application:
-    """Build the application for ``config``; models load when it starts (``cleanup_ctx``)."""
+def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -> web.Application:
+    """Build the application for ``config``; models load when it starts (``cleanup_ctx``).
+
+    Args:
+        remote: multi-process mode's front end: makes the data plane that forwards to the engine processes
+            (:class:`batcher.frontend.RemoteDataPlane`) from the metrics; None: the in-process :class:`DataPlane`.
+    """
     httplog.install()  # malformed HTTP is the client's mistake: INFO, no traceback, rate-limited
     # bodies are read and decoded by batcher.bodies, within the limit: aiohttp's own decompression is off
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware],
@@ -94,15 +100,19 @@ def create_app(config: Config) -> web.Application:
     metrics = Metrics()
     app[CONFIG] = config
     app[METRICS] = metrics
-    app[DATAPLANE] = dataplane = DataPlane(config, metrics)
-    dataplane.repository.on_load.append(warm_codec)  # the HTTP side's load hook
+    if remote is None:
+        app[DATAPLANE] = dataplane = DataPlane(config, metrics)
+        dataplane.repository.on_load.append(warm_codec)  # the HTTP side's load hook
+    else:
+        app[DATAPLANE] = dataplane = remote(metrics)
 
     async def dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
         await dataplane.start()
         _drain_on_sigterm(dataplane, config.server.shutdown_grace_s)
         yield
-        loaded = sum(1 for s in dataplane.repository.all() if s.loaded is not None)
-        log.info("shutting down: releasing %d loaded model(s)", loaded)
+        if remote is None:
+            loaded = sum(1 for s in dataplane.repository.all() if s.loaded is not None)
+            log.info("shutting down: releasing %d loaded model(s)", loaded)
         await dataplane.close()
 
     app.cleanup_ctx.append(dataplane_ctx)

@@ -33,6 +33,9 @@ from .batch_sizes import padded_size
 
 def shape_key(inputs: dict[str, np.ndarray]) -> Hashable:
     """Key that is equal for requests that may share a batch: per input, name, dtype and non-batch dims."""
+    if len(inputs) == 1:  # most models
+        ((name, a),) = inputs.items()
+        return ((name, a.dtype.str, a.shape[1:]),)
     return tuple((name, a.dtype.str, a.shape[1:]) for name, a in sorted(inputs.items()))
 
 
@@ -63,6 +66,22 @@ class Pending:
     timer: Any = field(default=None, repr=False)
     #: priority level, 1 = highest (Triton's ``priority`` request parameter; 0 there means "the default level").
     priority: int = 1
+    #: held from here while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`settle` ends the hold.
+    lease: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.lease is not None:
+            self.lease.acquire()
+
+    def settle(self) -> None:
+        """Done with: it left the queue, or its batch ended. Its deadline timer is off and its inputs will not be
+        read again (the lease ends)."""
+        self.state = State.DONE
+        if self.timer is not None:
+            self.timer.cancel()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
 
 def priority_level(priority: int | None, levels: int, default_level: int) -> int:

@@ -112,6 +112,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
+    if not codings and declared is not None and request.content.is_eof():
+        return await request.read()  # all of it has arrived already (most small requests): no timer, no task
     try:
         return await asyncio.wait_for(_read(request, codings, max_bytes), timeout_s)
     except asyncio.TimeoutError:

@@ -31,10 +31,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="also serve every model in DIR, a Triton/KServe repository (<model>/<version>/model.onnx, "
                         "optional <model>/config.yaml); without --config only these")
     s.add_argument("--host", help="address to bind (default: the config's server.host, 127.0.0.1)")
-    s.add_argument("--port", type=_port, help="TCP port, 0-65535 (default: the config's server.port, 8000)")
+    s.add_argument("--port", type=_int_in(0, 65535),
+                   help="TCP port, 0-65535 (default: the config's server.port, 8000)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="logging level (default: the config's server.log_level, info)")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (costs CPU)")
+    s.add_argument("--frontends", type=_int_in(0, 64), metavar="N",
+                   help="front-end processes in front of one engine process per GPU; 0: single-process mode "
+                        "(default: the config's server.frontends, else 0 on 2 cores or fewer, else the cores, "
+                        "at most 8)")
 
     c = sub.add_parser("check-config", help="validate a config file and print the models it serves",
                        description="Validate a YAML config: types, ranges, references and model paths; with "
@@ -75,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(config, args)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected 0-65535, got {port}")
-    return port
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in ``low..high``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"expected {low}-{high}, got {n}")
+        return n
+
+    return parse
 
 
 def _check(config, load: bool) -> int:
@@ -120,9 +130,10 @@ def _zoo() -> int:
     return 0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (port 0: an ephemeral one), not yet listening: the server binds before
-    any model loads, so a port in use is reported at once; it listens once the models are loaded.
+    any model loads, so a port in use is reported at once; it listens once the models are loaded. ``reuse_port``
+    (multi-process mode): ``SO_REUSEPORT``, so that the front ends can listen on the same port.
 
     Raises:
         OSError: the address cannot be resolved or bound (e.g. the port is in use).
@@ -132,6 +143,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does on Unix
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except BaseException:
         sock.close()
@@ -140,18 +153,30 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _serve(config, args) -> int:
+    from .supervisor import setup_logging
+    from .topology import frontends, single_process_problem
+
+    server = config.server.model_copy(update={
+        k: v for k, v in (("host", args.host), ("port", args.port), ("log_level", args.log_level),
+                          ("frontends", args.frontends)) if v is not None
+    })
+    config = config.model_copy(update={"server": server})
+    setup_logging(server.log_level)
+    log = logging.getLogger("batcher")
+    n = frontends(config)
+    if n:
+        from .supervisor import serve_multiprocess
+
+        return serve_multiprocess(config, n, args.access_log)
+    problem = single_process_problem(config)
+    if problem is not None:
+        log.error("%s", problem)
+        return 2
     from aiohttp import web
 
     from .app import create_app
+    from .supervisor import new_event_loop
 
-    server = config.server.model_copy(update={
-        k: v for k, v in (("host", args.host), ("port", args.port), ("log_level", args.log_level)) if v is not None
-    })
-    config = config.model_copy(update={"server": server})
-    logging.basicConfig(
-        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    log = logging.getLogger("batcher")
     try:
         sock = bind_socket(server.host, server.port)
     except OSError as exc:
@@ -161,7 +186,7 @@ def _serve(config, args) -> int:
     host = f"[{host}]" if ":" in host else host
     try:
         web.run_app(
-            create_app(config),
+            create_app(config), loop=new_event_loop(server.event_loop),
             sock=sock,
             print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", host, port),
             access_log=logging.getLogger("aiohttp.access") if args.access_log else None,

@@ -404,6 +404,9 @@ def decode_request(
     )
 
 
+_SHM_KEYS = frozenset(("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"))
+
+
 def _shm_ref(params: dict[str, Any], where: str) -> ShmRef | None:
     """Triton's shared-memory parameters of an input or output: ``shared_memory_region`` and
     ``shared_memory_byte_size`` together (``shared_memory_offset`` optional, default 0), or none of them.
@@ -411,6 +414,8 @@ def _shm_ref(params: dict[str, Any], where: str) -> ShmRef | None:
     Raises:
         InvalidInput: one without the other, a region name that is not a non-empty string, a negative size.
     """
+    if not params or _SHM_KEYS.isdisjoint(params):  # most tensors: none of them
+        return None
     region = params.get("shared_memory_region")
     size = _int_param(params, "shared_memory_byte_size", where)
     offset = _int_param(params, "shared_memory_offset", where)

@@ -109,6 +109,8 @@ class InstanceGroup(_Strict):
     count: int = Field(1, ge=1, le=64)
     kind: Literal["KIND_CPU", "KIND_GPU"] = "KIND_CPU"
     gpus: list[int] | None = None
+    #: routing.strategy weighted: the group's share of requests on each of its GPUs (default 1; this server's key)
+    weight: int | None = Field(None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _gpus(self) -> InstanceGroup:
@@ -390,6 +392,16 @@ class ServerConfig(_Strict):
     model_repository: str | None = None
     #: Triton's system and CUDA shared-memory extensions (:class:`SharedMemoryConfig`), off unless enabled.
     shared_memory: SharedMemoryConfig = SharedMemoryConfig()
+    #: front-end processes before one engine process per GPU (batcher.topology); 0: single-process mode; null:
+    #: the usable cores, at most 8, and 0 on 2 cores or fewer (README "Serving modes")
+    frontends: int | None = Field(None, ge=0, le=64)
+    #: MiB of shared memory per front end and engine process, for tensors of 64 KiB and more (batcher.ipc)
+    frontend_buffer_mb: int = Field(64, ge=1, le=65536)
+    #: a CPU context whose batches average at most this much CPU runs them on the event loop, not its thread
+    #: (cheaper than the hand-off; batcher.executor); 0: always the thread
+    inline_execution_us: int = Field(100, ge=0, le=10_000)
+    #: every process's event loop; uvloop (extra "uvloop") costs less CPU, its timers tick in milliseconds
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:
@@ -410,9 +422,20 @@ class RoutingConfig(_Strict):
     #: a request naming a version that is not loadable (unknown or outside the version policy): serve it with the
     #: model's default version (fallback) or answer 404 (reject).
     version_mismatch: Literal["fallback", "reject"] = "reject"
-    #: how a batch picks an instance: contexts take batches from one shared queue as they become idle, which is
-    #: least-queue by construction (no per-instance queues to balance).
-    strategy: Literal["least_queue"] = "least_queue"
+    #: which queue (model version, GPU) a request goes to where there are several (batcher.strategy): least_queue,
+    #: weighted (instance_group weights), hash (sticky by the header or request parameter named below)
+    strategy: Literal["least_queue", "weighted", "hash"] = "least_queue"
+    hash_header: str | None = Field(None, min_length=1)
+    hash_parameter: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _hash_key(self) -> RoutingConfig:
+        keys = (self.hash_header is not None) + (self.hash_parameter is not None)
+        if self.strategy == "hash" and keys != 1:
+            raise ValueError("strategy hash needs exactly one of hash_header and hash_parameter")
+        if self.strategy != "hash" and keys:
+            raise ValueError(f"hash_header and hash_parameter apply to strategy hash only, not {self.strategy}")
+        return self
 
 
 class Config(_Strict):

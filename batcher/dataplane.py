@@ -12,12 +12,13 @@ moves exactly one outcome - ``batcher_request_success_total`` and the statistics
 fallback model when routing went there), after its answer was delivered. Requests for unknown models (404) are
 counted nowhere, as in Triton. Reasons: ``invalid`` (400, 401, 408, 413), ``rejected`` (503), ``timeout``
 (504, also an answer ready after its deadline), ``backend`` (500 from the engine), ``canceled`` (the client
-went away), ``other`` (a server bug, 500).
+went away), ``dropped`` (multi-process mode: the front-end process holding it died), ``other`` (a server bug, 500).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -26,18 +27,27 @@ from engines.base import ExecutionContext
 
 from .config import Config
 from .errors import BatcherError, ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
-from .executor import Executor, ThreadExecutor
+from .executor import Executor, ThreadExecutor, executor_for
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
 from .repository import READY, ModelRepository, ModelSlot
 from .retention import ThroughputTracker
 from .routing import Router
 from .scheduler import ModelRunner
-from .shm import SharedMemoryRegistry
+from .shm import SharedMemoryRegistry, uses_shm
 from .signature import ModelSignature
+from .strategy import Strategy
 from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
+
+#: the message a request's task is cancelled with when the front-end process holding it died (counted ``dropped``).
+FRONTEND_LOST = "front end lost"
+
+
+def late_answer(model: str) -> DeadlineExceeded:
+    """The error of an answer that was ready after its request's deadline (no answer is sent after a deadline)."""
+    return DeadlineExceeded(f"model '{model}': the answer was ready after the request's deadline")
 
 
 def request_deadline(received: float, timeout_us: int | None, default_timeout_s: float | None) -> float | None:
@@ -72,31 +82,62 @@ async def load_versions(repository: ModelRepository, slots: list[ModelSlot], con
             await repository.reload(slot, cfg)
 
 
+def events_doc(repo: ModelRepository) -> dict[str, Any]:
+    """The lifecycle events (:mod:`batcher.events`) and the memory counted against the budget."""
+    return {"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
+            "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None}
+
+
+class Inflight:
+    """Accepted inference requests not yet answered, and the SIGTERM drain that waits for them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._quiet = asyncio.Event()  # set while count is 0
+        self._quiet.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._quiet.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._quiet.set()
+
+    async def wait_quiet(self, grace_s: float) -> None:
+        """Until no request is in flight, at most ``grace_s`` seconds."""
+        try:
+            await asyncio.wait_for(self._quiet.wait(), grace_s)
+        except asyncio.TimeoutError:
+            pass
+
+
 class DataPlane:
     """Inference, metadata, statistics and repository calls over one :class:`ModelRepository`."""
 
     def __init__(self, config: Config, metrics: Metrics, repository: ModelRepository | None = None,
-                 executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor) -> None:
-        """``executor(context, name)`` makes the owner of one execution context (a thread by default; tests pass
-        one that runs batches on the event loop)."""
+                 executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor, *,
+                 deliver_checks_deadline: bool = False) -> None:
+        """``executor(context, name)``: the owner of one context (a thread; tests run batches on the event loop).
+        ``deliver_checks_deadline``: ``deliver`` raises DeadlineExceeded for an answer too late (an engine process)."""
         self.config = config
         self._executor = executor
+        self._deliver_checks_deadline = deliver_checks_deadline
         self.metrics = metrics
         self.repository = repository or ModelRepository(config, metrics)
-        self.router = Router(self.repository)
+        self.router = Router(self.repository, Strategy(config.routing.strategy))
         self.repository.on_load.insert(0, self._attach_runner)
         #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
         self.shm = SharedMemoryRegistry(config.server.shared_memory)
-        #: False until started, and again from the moment a drain begins: new requests get 503.
-        self.ready = False
-        self._active = 0  # accepted inference requests not yet answered
-        self._quiet = asyncio.Event()  # set while _active is 0
-        self._quiet.set()
+        self.ready = False  # until started, and again from the moment a drain begins: new requests get 503
+        self._inflight = Inflight()
         self._monitor: asyncio.Task | None = None
 
     def _attach_runner(self, slot: ModelSlot) -> None:
         """Load hook: the batcher and one executor thread per execution context."""
-        executors = [self._executor(ctx, f"{slot.name}-ctx{i}") for i, ctx in enumerate(slot.loaded.contexts)]
+        executors = [executor_for(self._executor, slot.cfg, ctx, f"{slot.name}-ctx{i}",
+                                  self.config.server.inline_execution_us) for i, ctx in enumerate(slot.loaded.contexts)]
         slot.runner = ModelRunner(slot.cfg, slot.loaded.signature, executors,
                                   self.metrics.for_model(slot.name, slot.version), slot.stats)
 
@@ -116,10 +157,7 @@ class DataPlane:
         answered, at most ``grace_s`` seconds. A request is accepted once its handler started (its headers
         arrived), even if its body is still on the way."""
         self.ready = False
-        try:
-            await asyncio.wait_for(self._quiet.wait(), grace_s)
-        except asyncio.TimeoutError:
-            pass
+        await self._inflight.wait_quiet(grace_s)
 
     async def close(self) -> None:
         """Stop every model; queued requests get 503, running batches finish, memory is released."""
@@ -166,39 +204,38 @@ class DataPlane:
             self._count(target, "rejected", received)
             raise Unavailable("server is not ready" if self._monitor is None else "server is shutting down")
         owner = target
-        self._active += 1
-        self._quiet.clear()
+        self._inflight.enter()
         loop = asyncio.get_running_loop()
         try:
             request = await read()
-            async with self.shm.hold(request) as held:  # regions the request names stay mapped until it is done
-                inputs = await held.inputs()
+            target = owner = self.router.choose_version(target, request.routing_key) if version is None else target
+            held = self.shm.hold(request) if uses_shm(request) else None
+            async with held or contextlib.nullcontext():  # regions the request names stay mapped until it is done
+                inputs = await held.inputs() if held is not None else request.inputs
                 deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
                 owner = slot = await self.router.acquire(target, deadline)
                 try:
                     rows = slot.signature.check(slot.name, inputs)
                     slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
                     outputs = await slot.runner.infer(inputs, rows=rows, received=received, deadline=deadline,
-                                                      priority=request.priority)
+                                                      priority=request.priority, lease=request.lease)
                 finally:
                     self.router.release(slot)
-                await held.write(outputs)
-                answer = await deliver(InferResponse(slot.name, slot.version, outputs, request))
-            if deadline is not None and loop.time() > deadline:  # ready too late: no answer after a deadline
-                raise DeadlineExceeded(f"model '{slot.name}': the answer was ready after the request's deadline")
+                await held.write(outputs) if held is not None else None
+                answer = await deliver(InferResponse(slot.name, slot.version, outputs, request, deadline))
+            if not self._deliver_checks_deadline and deadline is not None and loop.time() > deadline:
+                raise late_answer(slot.name)  # ready too late: no answer after a deadline
         except BatcherError as exc:
             self._count(owner, exc.reason, received)
             raise
-        except asyncio.CancelledError:
-            self._count(owner, "canceled", received)
+        except asyncio.CancelledError as exc:
+            self._count(owner, "dropped" if exc.args == (FRONTEND_LOST,) else "canceled", received)
             raise
         except Exception:
             self._count(owner, "other", received)
             raise
         finally:
-            self._active -= 1
-            if not self._active:
-                self._quiet.set()
+            self._inflight.leave()
         self._count(owner, None, received)
         return answer
 
@@ -288,6 +325,14 @@ class DataPlane:
         if model not in self.repository.slots:
             raise ModelNotFound(f"unknown model '{model}'; models: {sorted(self.repository.slots)}")
         return [s for s in self.repository.slots[model].values() if s.selected]
+
+    def repository_index(self, ready: bool | None = None) -> list[dict[str, Any]]:
+        """The repository index (:meth:`ModelSlots.index`; ``ready``: only the READY versions, or the others)."""
+        return self.repository.index(ready)
+
+    def repository_events(self) -> dict[str, Any]:
+        """Load, evict and unload events with durations and memory before/after, and the memory counted."""
+        return events_doc(self.repository)
 
     async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
         """Load every served version of ``model``, with ``config`` applied first (:func:`load_versions`).

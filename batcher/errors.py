@@ -96,5 +96,15 @@ class ExecutionFailed(BatcherError):
     reason = "backend"
 
 
+class RemoteError(BatcherError):
+    """An error raised in another process of the server (multi-process mode), carried with its status, reason and
+    ``Retry-After``: answered and counted exactly as the original."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.status = status
+        self.reason = reason
+
+
 class ConfigError(ValueError):
     """Invalid configuration; the message names the field path and the bad value. Not an HTTP error."""

@@ -9,9 +9,10 @@ raises: every request of the batch gets an outcome, outputs or a :class:`~batche
 
 :class:`ThreadExecutor` is the production hand-off: one single-thread pool per context, so a context is used by
 one thread at a time as the engine contract requires; for a context with two staging buffers it stages the next
-batch on a second thread while the current one runs. The scheduler only needs ``submit(fn, *args) -> awaitable``
-and ``close()`` (and ``depth``/``stage`` for a pipeline), so tests can hand it an executor that runs batches on
-the event loop.
+batch on a second thread while the current one runs, and a CPU context whose batches take less CPU than the
+hand-off itself runs them on the event loop (``server.inline_execution_us``). The scheduler only needs
+``submit(fn, *args) -> awaitable`` and ``close()`` (and ``depth``/``stage`` for a pipeline), so tests can hand it an
+executor that runs batches on the event loop.
 """
 
 from __future__ import annotations
@@ -193,6 +194,10 @@ class Executor(Protocol):
         """Wait for the running call, then release the context."""
 
 
+#: batches measured before a context may run batches inline, and the weight of the newest in their average.
+INLINE_AFTER, INLINE_EWMA_ALPHA = 16, 0.1
+
+
 class ThreadExecutor:
     """One execution context and the single thread that uses it (engine contexts are not thread-safe).
 
@@ -200,18 +205,56 @@ class ThreadExecutor:
     while the host waits) gets a second thread that stages the next batch (:meth:`stage`: deadline checks,
     stacking into the other pinned buffer) while the context's thread runs the current one, so the device is not
     idle while a batch is copied together: :attr:`depth` 2, a two-stage pipeline.
+
+    Args:
+        inline_s: a context whose batches take at most this much CPU time on average (seconds, stack + execute +
+            split in the thread that runs them; a moving average over the batches since the first
+            :data:`INLINE_AFTER`) runs its next batches on the event loop instead: handing a batch to the thread and
+            its result back costs more than that (``server.inline_execution_us``; measured in the README's
+            "Serving modes"). One batch ten times slower (a new input shape) lifts the average over the bound and
+            sends the next ones back to the thread. 0: never.
     """
 
-    def __init__(self, context: ExecutionContext, name: str) -> None:
+    def __init__(self, context: ExecutionContext, name: str, inline_s: float = 0.0) -> None:
         self.context = context
         # A context bound to its own thread (a CUDA-graph context) runs its batches there: no hop per batch.
         self._own = context.executor is None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if self._own else context.executor
         self.depth = 2 if getattr(context, "staging_slots", 1) >= 2 else 1
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-stage") if self.depth > 1 else None
+        self._inline_s = inline_s if self._own and self.depth == 1 else 0.0
+        self._measured_n = 0
+        self._average_s = 0.0  # moving average of the batches' times
+
+    @property
+    def inline(self) -> bool:
+        """Whether the next batch runs on the event loop."""
+        return self._measured_n >= INLINE_AFTER and self._average_s <= self._inline_s
 
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, self.context, *args)
+        loop = asyncio.get_running_loop()
+        if not self._inline_s:
+            return loop.run_in_executor(self._pool, fn, self.context, *args)
+        if not self.inline:
+            return loop.run_in_executor(self._pool, self._timed, fn, args)
+        fut = loop.create_future()
+        try:
+            fut.set_result(self._timed(fn, args))
+        except BaseException as exc:  # execute_batch never raises; anything else fails its batch as usual
+            fut.set_exception(exc)
+        return fut
+
+    def _timed(self, fn: Callable[..., BatchResult], args: tuple) -> BatchResult:
+        """Run one batch and take its CPU time in the running thread (not its wall time, which waiting for the GIL
+        behind a busy event loop would inflate)."""
+        t0 = time.thread_time()
+        result = fn(self.context, *args)
+        took = time.thread_time() - t0
+        if result.rows:  # a batch that ran (not dropped before executing)
+            self._measured_n += 1
+            self._average_s = took if self._measured_n == 1 else (
+                self._average_s + INLINE_EWMA_ALPHA * (took - self._average_s))
+        return result
 
     def stage(self, fn: Callable[..., Staged], *args: Any) -> asyncio.Future:
         """Run ``fn(context, *args)`` on the staging thread (the context's thread when there is none)."""
@@ -223,3 +266,13 @@ class ThreadExecutor:
         if self._own:
             self._pool.shutdown(wait=True)
         self.context.release()
+
+
+def executor_for(factory: Callable[[ExecutionContext, str], Executor], cfg: Any, context: ExecutionContext,
+                 name: str, inline_us: int = 0) -> Executor:
+    """The owner of one of ``cfg``'s contexts: ``factory(context, name)``; a :class:`ThreadExecutor` factory gives a
+    CPU context in this process one that may run tiny batches inline when ``inline_us`` is set
+    (``server.inline_execution_us``); worker-process and GPU contexts never run inline."""
+    if factory is ThreadExecutor and inline_us and cfg.mode == "inprocess" and cfg.device == "cpu":
+        return ThreadExecutor(context, name, inline_s=inline_us / 1e6)
+    return factory(context, name)

@@ -149,7 +149,8 @@ def engine_options(cfg: ModelConfig, batch_sizes: tuple[int, ...] | None) -> dic
     return options | {k: v for k, v in gpu.items() if v is not None}
 
 
-def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | None = None) -> Loaded:
+def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | None = None,
+               instances: int | None = None) -> Loaded:
     """Load one model: resolve its path, open the engine, create one context per instance, warm each up.
 
     Blocking; call it from a worker thread.
@@ -157,6 +158,8 @@ def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | No
     Args:
         where: the model's place in the config (``models[2]``), for messages.
         on_restart: called when a worker process of the model (``mode: multiproc``) is replaced after a crash.
+        instances: how many contexts to create (default ``cfg.instances``; an engine process of multi-process mode
+            creates those placed on its GPU, :func:`batcher.topology.contexts_on`).
 
     Raises:
         ConfigError: bad path, engine limits contradicted by the config, or the model failing to load or to run
@@ -176,7 +179,7 @@ def load_model(cfg: ModelConfig, where: str, on_restart: Callable[[], None] | No
         engine = open_engine(cfg, path, on_restart, planned_batch_sizes(cfg))
         signature = ModelSignature.build(engine, cfg, where)
         sizes = warmup_batch_sizes(cfg, signature)
-        for _ in range(cfg.instances):
+        for _ in range(cfg.instances if instances is None else instances):
             ctx = engine.create_context()
             contexts.append(ctx)
             if ctx.batch_sizes not in (None, signature.allowed_batch_sizes):

@@ -23,10 +23,17 @@ Failure reasons: ``invalid`` (400/413), ``rejected`` (503: queue full, not ready
 passed before execution), ``backend`` (500: engine error), ``canceled`` (client went away), ``other``.
 
 Average batch size = ``rate(batcher_inference_count_total) / rate(batcher_execution_count_total)``.
+
+Multi-process mode (``server.frontends`` >= 1): every process of the server writes its samples into the folder of
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode; the supervisor sets it before any process
+imports prometheus-client and wipes it at start), and ``/metrics`` on any front end reads them all: counters and
+histograms add up over processes, gauges as their ``multiprocess_mode`` says (queue depths, memory and throughput
+add up over the live engine processes; ``batcher_model_loaded`` is the maximum; the retention ratio the latest).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,10 +48,16 @@ class Metrics:
     """The service's metric families, in their own registry (one per app, so apps in one process don't clash)."""
 
     def __init__(self) -> None:
+        #: what ``/metrics`` exposes: this object's families, or in multi-process mode every process's samples.
         self.registry = CollectorRegistry(auto_describe=True)
         self._outcomes: dict[tuple[str, str], Outcomes] = {}
         labels = ("model", "version")
         r = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            r = CollectorRegistry(auto_describe=True)  # the families write their files; they are read back from there
+            MultiProcessCollector(self.registry)
         self.success = Counter(
             "batcher_request_success", "Inference requests answered with outputs", labels, registry=r
         )
@@ -87,7 +100,8 @@ class Metrics:
             "batcher_batch_size", "Rows per executed batch", labels, buckets=BATCH_BUCKETS, registry=r
         )
         self.queue_depth = Gauge(
-            "batcher_queue_depth", "Requests waiting in the model's queue", labels, registry=r
+            "batcher_queue_depth", "Requests waiting in the model's queue", labels, registry=r,
+            multiprocess_mode="livesum",
         )
         self.padded_rows = Counter(
             "batcher_padded_rows", "Zero rows executed to pad batches up to an allowed batch size (never answered)",
@@ -96,28 +110,30 @@ class Metrics:
 
         # model lifecycle and memory (load strategies, LRU budget)
         self.model_loaded = Gauge("batcher_model_loaded", "1 while the model version is loaded and ready, else 0",
-                                  labels, registry=r)
+                                  labels, registry=r, multiprocess_mode="livemax")
         self.model_memory = Gauge(
             "batcher_model_memory_bytes",
             "Memory of a loaded model: kind=budgeted (counted against the budget), footprint (engine + contexts as "
             "the backend reports), measured (growth measured at load), device (GPU memory of its engine and "
             "contexts, CUDA graphs and workspaces included)", (*labels, "kind"), registry=r,
+            multiprocess_mode="livesum",
         )
         self.memory_used = Gauge("batcher_memory_used_bytes", "Memory counted against the budget by loaded models",
-                                 registry=r)
-        self.memory_budget = Gauge("batcher_memory_budget_bytes", "The lru memory budget (0: none)", registry=r)
+                                 registry=r, multiprocess_mode="livesum")
+        self.memory_budget = Gauge("batcher_memory_budget_bytes", "The lru memory budget (0: none)", registry=r,
+                                   multiprocess_mode="livesum")
         self.model_load = Counter("batcher_model_load", "Model loads", labels, registry=r)
         self.model_unload = Counter("batcher_model_unload", "Model unloads by reason (evict: lru; unload: request)",
                                     (*labels, "reason"), registry=r)
         self.throughput = Gauge(
             "batcher_throughput_requests_per_second",
-            "Successful requests per second over the last 10 s", labels, registry=r,
+            "Successful requests per second over the last 10 s", labels, registry=r, multiprocess_mode="livesum",
         )
         self.retention = Gauge(
             "batcher_retention_ratio",
             "While two or more models are active: their total throughput over the sum of each one's best throughput "
             "when it was the only active model (the seed's retention ratio, live); NaN otherwise",
-            registry=r,
+            registry=r, multiprocess_mode="livemostrecent",
         )
         self.retention.set(float("nan"))
         self.worker_restart = Counter(
@@ -168,6 +184,16 @@ class Outcomes:
         if child is None:
             child = self._by_reason[reason] = self._failure.labels(*self._labels, reason)
         return child
+
+
+class ProcessMetrics:
+    """The supervisor's metric in multi-process mode (its samples reach ``/metrics`` through the shared folder)."""
+
+    def __init__(self) -> None:
+        self.restart = Counter(
+            "batcher_process_restart", "Front-end and engine processes (multi-process mode) replaced after they died",
+            ("process",), registry=CollectorRegistry(),
+        )
 
 
 @dataclass

@@ -4,10 +4,41 @@ request's options, independent of the wire format (:mod:`batcher.codec` reads an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+class Lease:
+    """Keeps a request's input buffers valid (e.g. a shared-memory slot that its front end writes the next request
+    into once the lease ends) while anyone may read them.
+
+    Starts with one holder (whoever made it); the scheduler holds it from queueing the request until its batch is
+    done or it leaves the queue (a request answered 504 while its batch executes is still read by that batch).
+    ``on_free`` runs once, when the last holder releases."""
+
+    __slots__ = ("_holders", "_on_free")
+
+    def __init__(self, on_free: Callable[[], None]) -> None:
+        self._holders = 1
+        self._on_free: Callable[[], None] | None = on_free
+
+    @property
+    def free(self) -> bool:
+        return self._holders == 0
+
+    def acquire(self) -> None:
+        if self._holders == 0:
+            raise RuntimeError("lease already ended")
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._on_free is not None:
+            on_free, self._on_free = self._on_free, None
+            on_free()
 
 
 @dataclass(frozen=True)
@@ -59,6 +90,8 @@ class InferRequest:
             (the model's default timeout applies), as in Triton.
         priority: Triton's ``parameters.priority``: 1 is the highest level; None (or 0) means the model's default
             level.
+        routing_key: the key of ``routing.strategy: hash`` (from the header or parameter it names), if any.
+        lease: set when the inputs live in a buffer that is reused after the request (multi-process mode).
     """
 
     inputs: dict[str, np.ndarray | ShmInput]
@@ -68,6 +101,8 @@ class InferRequest:
     timeout_us: int | None = None
     priority: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    routing_key: str | None = None
+    lease: Lease | None = None
 
 
 @dataclass
@@ -77,9 +112,11 @@ class InferResponse:
     Attributes:
         outputs: output name -> array (first dim: the request's rows); views into the batch's outputs.
         request: the request answered (its id, requested outputs and binary flags).
+        deadline: event-loop time after which it must not be answered (None: no deadline).
     """
 
     model_name: str
     model_version: str
     outputs: dict[str, np.ndarray]
     request: InferRequest
+    deadline: float | None = None

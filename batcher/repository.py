@@ -38,6 +38,7 @@ from .lru import Candidate, MemoryBudget, NoRoom
 from .metrics import Metrics
 from .scheduler import ModelRunner
 from .stats import Stats
+from .topology import selected_versions
 
 log = logging.getLogger(__name__)
 
@@ -98,29 +99,40 @@ class ModelSlot:
         return (1 + 2 * self.cfg.instances) * size + 32 * MiB
 
 
-def _selected_versions(cfgs: list[ModelConfig]) -> set[int]:
-    policy = max(cfgs, key=lambda c: c.version).version_policy
-    versions = sorted(c.version for c in cfgs)
-    if policy == "all":
-        return set(versions)
-    if hasattr(policy, "latest"):
-        return set(versions[-policy.latest:])
-    return set(policy.specific) & set(versions)
+def pick_version(name: str, version: str | None, served: list[str], mismatch: str) -> str:
+    """The version a request for ``name``/``version`` goes to, of the ``served`` ones (lowest first): the one it
+    names, else (none named, or ``routing.version_mismatch: fallback``) the highest.
+
+    Raises:
+        ModelNotFound: a version that is not served under ``version_mismatch: reject``, or none served.
+    """
+    if version is not None:
+        if version in served:
+            return version
+        if mismatch == "reject" or not served:
+            raise ModelNotFound(f"model '{name}' has no version '{version}'; versions: {served}")
+    if not served:
+        raise ModelNotFound(f"model '{name}' has no served version (version policy)")
+    return served[-1]
 
 
 class ModelSlots:
     """Every configured model version (:class:`ModelSlot`) by name and version, the lookup a request goes
     through, and the repository index."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, serves: Callable[[ModelConfig], bool] | None = None) -> None:
+        """``serves``: which selected versions this process serves (an engine process of multi-process mode: those
+        placed on its device); the others are treated as not selected here."""
         self.config = config
         by_name: dict[str, list[ModelConfig]] = collections.defaultdict(list)
         for cfg in config.models:
             by_name[cfg.name].append(cfg)
         self.slots: dict[str, dict[str, ModelSlot]] = {}
         for i, cfg in enumerate(config.models):
-            selected = cfg.version in _selected_versions(by_name[cfg.name])
+            selected = cfg.version in selected_versions(by_name[cfg.name]) and (serves is None or serves(cfg))
             self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
+        self._served = {name: sorted((v for v, s in versions.items() if s.selected), key=int)
+                        for name, versions in self.slots.items()}
 
     def all(self) -> list[ModelSlot]:
         return [s for versions in self.slots.values() for s in versions.values()]
@@ -132,23 +144,14 @@ class ModelSlots:
         Raises:
             ModelNotFound: unknown model (404), or a version that is not served under ``version_mismatch: reject``.
         """
-        versions = self.slots.get(name)
-        if not versions:
+        if not self.slots.get(name):
             raise ModelNotFound(f"unknown model '{name}'; models: {sorted(self.slots)}")
-        served = self.served_versions(name)
-        if version is not None:
-            s = versions.get(version)
-            if s is not None and s.selected:
-                return s
-            if self.config.routing.version_mismatch == "reject" or not served:
-                raise ModelNotFound(f"model '{name}' has no version '{version}'; versions: {served}")
-        if not served:
-            raise ModelNotFound(f"model '{name}' has no served version (version policy)")
-        return versions[served[-1]]
+        return self.slots[name][pick_version(name, version, self.served_versions(name),
+                                             self.config.routing.version_mismatch)]
 
     def served_versions(self, name: str) -> list[str]:
-        """The versions of ``name`` its version policy serves, lowest first."""
-        return sorted((v for v, s in self.slots[name].items() if s.selected), key=int)
+        """The versions of ``name`` its version policy serves, lowest first (fixed once configured)."""
+        return self._served[name]
 
     def index(self, ready: bool | None = None) -> list[dict]:
         """The repository index (Triton's form): every configured version with its state and reason; with
@@ -173,10 +176,11 @@ class ModelRepository(ModelSlots):
     """The load strategy and the memory budget over every configured model version."""
 
     def __init__(self, config: Config, metrics: Metrics,
-                 loader: Callable[[ModelConfig, str, Callable[[], None]], Loaded] = load_model) -> None:
+                 loader: Callable[[ModelConfig, str, Callable[[], None]], Loaded] = load_model,
+                 serves: Callable[[ModelConfig], bool] | None = None) -> None:
         """``loader`` loads one model (blocking, in a worker thread): :func:`batcher.loader.load_model`; tests
-        pass a stand-in."""
-        super().__init__(config)
+        pass a stand-in. ``serves``: see :class:`ModelSlots`."""
+        super().__init__(config, serves)
         self._loader = loader
         self.strategy = config.server.load_strategy
         mb = config.server.memory_budget_mb

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.resources
+import inspect
+from typing import Any
 
 import numpy as np
 import orjson
@@ -41,6 +43,46 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 def _model(request: web.Request) -> tuple[str, str | None]:
     return request.match_info["model"], request.match_info.get("version")
+
+
+async def _answer(result: Any) -> Any:
+    """A data-plane call's result: in-process methods answer at once, a front end's remote data plane
+    (:mod:`batcher.remote`) through an awaitable."""
+    return await result if inspect.isawaitable(result) else result
+
+
+@routes.post("/v2/models/{model}/infer")
+@routes.post("/v2/models/{model}/versions/{version}/infer")
+async def infer(request: web.Request) -> web.Response:
+    loop = asyncio.get_running_loop()
+    server = request.app[CONFIG].server
+    hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
+
+    async def read() -> InferRequest:
+        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
+        header_length = request.headers.get(HEADER_LENGTH)
+        # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
+        json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
+        if json_bytes > OFFLOAD_BYTES:
+            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
+        else:
+            decoded = decode_request(body, header_length, server.max_tensor_elements)
+        if hash_header is not None:
+            decoded.routing_key = request.headers.get(hash_header)
+        elif hash_parameter is not None and decoded.parameters.get(hash_parameter) is not None:
+            decoded.routing_key = str(decoded.parameters[hash_parameter])
+        return decoded
+
+    async def deliver(response: InferResponse) -> web.Response:
+        if sum(a.nbytes for a in response.outputs.values()) > OFFLOAD_BYTES:
+            out, json_length = await loop.run_in_executor(None, encode_response, response)
+        else:
+            out, json_length = encode_response(response)
+        if json_length is None:
+            return web.Response(body=out, content_type="application/json")
+        return web.Response(body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
+
+    return await request.app[DATAPLANE].infer(*_model(request), loop.time(), read, deliver)
 
 
 @routes.get("/v2/openapi.json")
@@ -78,7 +120,7 @@ async def server_metadata(request: web.Request) -> web.Response:
 async def model_statistics(request: web.Request) -> web.Response:
     """Triton's statistics extension (what perf_analyzer reads for its server-side breakdown)."""
     info = request.match_info
-    return _json(request.app[DATAPLANE].statistics(info.get("model"), info.get("version")))
+    return _json(await _answer(request.app[DATAPLANE].statistics(info.get("model"), info.get("version"))))
 
 
 @routes.get("/v2/models/{model}")
@@ -91,7 +133,7 @@ async def model_metadata(request: web.Request) -> web.Response:
 @routes.get("/v2/models/{model}/versions/{version}/ready")
 async def model_ready(request: web.Request) -> web.Response:
     name, version = _model(request)
-    ok = request.app[DATAPLANE].model_ready(name, version)
+    ok = await _answer(request.app[DATAPLANE].model_ready(name, version))
     return _json({"name": name, "ready": ok}, 200 if ok else 503)
 
 
@@ -100,33 +142,6 @@ async def model_ready(request: web.Request) -> web.Response:
 async def model_config(request: web.Request) -> web.Response:
     """The model's configuration in Triton's model-config JSON form (what perf_analyzer and tritonclient read)."""
     return _json(await request.app[DATAPLANE].model_config(*_model(request)))
-
-
-@routes.post("/v2/models/{model}/infer")
-@routes.post("/v2/models/{model}/versions/{version}/infer")
-async def infer(request: web.Request) -> web.Response:
-    loop = asyncio.get_running_loop()
-    server = request.app[CONFIG].server
-
-    async def read() -> InferRequest:
-        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
-        header_length = request.headers.get(HEADER_LENGTH)
-        # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
-        json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
-        if json_bytes > OFFLOAD_BYTES:
-            return await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
-        return decode_request(body, header_length, server.max_tensor_elements)
-
-    async def deliver(response: InferResponse) -> web.Response:
-        if sum(a.nbytes for a in response.outputs.values()) > OFFLOAD_BYTES:
-            out, json_length = await loop.run_in_executor(None, encode_response, response)
-        else:
-            out, json_length = encode_response(response)
-        if json_length is None:
-            return web.Response(body=out, content_type="application/json")
-        return web.Response(body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
-
-    return await request.app[DATAPLANE].infer(*_model(request), loop.time(), read, deliver)
 
 
 def warm_codec(slot: ModelSlot) -> None:
@@ -191,16 +206,14 @@ async def repository_index(request: web.Request) -> web.Response:
     ready = (await _repository_body(request, "repository index")).get("ready")
     if ready is not None and not isinstance(ready, bool):
         raise InvalidInput(f"repository index: ready: expected true or false, got {ready!r}")
-    return _json(request.app[DATAPLANE].repository.index(ready))
+    return _json(await _answer(request.app[DATAPLANE].repository_index(ready)))
 
 
 @routes.get("/v2/repository/events")
 async def repository_events(request: web.Request) -> web.Response:
     """Load, evict and unload events with durations and memory before/after (this server's addition)."""
     _repository(request)
-    repo = request.app[DATAPLANE].repository
-    return _json({"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
-                  "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None})
+    return _json(await _answer(request.app[DATAPLANE].repository_events()))
 
 
 @routes.post("/v2/repository/models/{model}/load")
@@ -254,7 +267,7 @@ def _shm_kind(request: web.Request) -> str:
 @routes.get(_SHM + "/region/{name}/status")
 async def shm_status(request: web.Request) -> web.Response:
     """Triton's shared-memory status: every region of the kind, or one (:mod:`batcher.shm`)."""
-    return _json(request.app[DATAPLANE].shm_status(_shm_kind(request), request.match_info.get("name")))
+    return _json(await _answer(request.app[DATAPLANE].shm_status(_shm_kind(request), request.match_info.get("name"))))
 
 
 @routes.post(_SHM + "/region/{name}/register")

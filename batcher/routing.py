@@ -13,6 +13,8 @@ import logging
 
 from .errors import ConfigError, DeadlineExceeded, Unavailable
 from .repository import READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
+from .strategy import Strategy, Target
+from .topology import weight
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +22,22 @@ log = logging.getLogger(__name__)
 class Router:
     """Acquire and release model versions of one :class:`~batcher.repository.ModelRepository`."""
 
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self, repository: ModelRepository, strategy: Strategy | None = None) -> None:
         self.repository = repository
+        self.strategy = strategy or Strategy()
+
+    def choose_version(self, target: ModelSlot, key: str | None) -> ModelSlot:
+        """A request that named no version: ``routing.strategy`` weighted or hash may send it to any served version
+        of the model (:mod:`batcher.strategy`, weights from :func:`batcher.topology.weight`), least_queue to the
+        default one (``target``). ``key``: the request's hash key."""
+        if not self.strategy.spreads(key):
+            return target
+        slots = [self.repository.slots[target.name][v] for v in self.repository.served_versions(target.name)]
+        if len(slots) < 2:
+            return target
+        targets = [Target(f"{s.name}/{s.version}", weight(s.cfg), s.runner.queue_depth if s.runner else 0)
+                   for s in slots]
+        return slots[self.strategy.choose(target.name, targets, key)]
 
     async def acquire(self, slot: ModelSlot, deadline: float | None = None, *, allow_fallback: bool = True
                       ) -> ModelSlot:
@@ -35,6 +51,10 @@ class Router:
                 unloaded, load failed, shutting down. DeadlineExceeded: 504 - the load outlasted the deadline.
         """
         cfg = slot.cfg
+        if slot.state == READY and cfg.fallback is None:  # the common case, without another coroutine
+            slot.inflight += 1
+            slot.last_used = asyncio.get_running_loop().time()
+            return slot
         if allow_fallback and cfg.fallback is not None:
             fallback = self.repository.slot(cfg.fallback)
             depth = slot.runner.queue_depth if slot.runner is not None else 0

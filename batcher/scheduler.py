@@ -59,6 +59,7 @@ from .config import ModelConfig
 from .errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from .executor import BatchResult, Executor, execute_batch, run_batch, stage_batch
 from .metrics import ModelMetrics
+from .protocol import Lease
 from .signature import ModelSignature
 from .stats import Stats
 
@@ -118,6 +119,8 @@ class ModelRunner:
         self._last_arrival: float | None = None
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        # no timer under uvloop's 1 ms tick: it would fire at once and the batch window would spin
+        self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0
         self._running: set[asyncio.Future] = set()
         self._closing = False
         self._task = asyncio.create_task(self._batcher(), name=f"batcher-{cfg.name}")
@@ -133,14 +136,15 @@ class ModelRunner:
         return self.times.drain(self._queued_rows + self._executing_rows, self._max_batch, len(self._executors))
 
     async def infer(self, inputs: dict[str, np.ndarray], *, rows: int, received: float,
-                    deadline: float | None = None, priority: int | None = None) -> dict[str, np.ndarray]:
+                    deadline: float | None = None, priority: int | None = None, lease: Lease | None = None) -> dict:
         """Queue one validated request and wait for its outputs.
 
         Args:
             inputs: inputs validated against the signature (:meth:`ModelSignature.check`), first dim ``rows``.
             received: event-loop time (s) the request arrived; its batch window counts from here.
             deadline: event-loop time after which it must not be answered with outputs.
-            priority: ``parameters.priority`` (:func:`batcher.batching.priority_level`).
+            priority: ``parameters.priority`` (:func:`batcher.batching.priority_level`). lease: held from queueing
+                until the inputs are no longer read (:class:`batcher.protocol.Lease`).
 
         Returns:
             the request's rows of every output (views into its batch's outputs).
@@ -163,7 +167,7 @@ class ModelRunner:
             if deadline <= now:
                 raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
-                    priority=priority_level(priority, self._levels, self._default_level))
+                    priority=priority_level(priority, self._levels, self._default_level), lease=lease)
         if self._last_arrival is not None:
             self._gap_s += GAP_EWMA_ALPHA * (min(received - self._last_arrival, 1.0) - self._gap_s)
         self._last_arrival = received
@@ -200,9 +204,7 @@ class ModelRunner:
 
     def _settle_queued(self, p: Pending) -> None:
         """Take a QUEUED request out of the queue's count (it stays in the list until the next purge)."""
-        p.state = State.DONE
-        if p.timer is not None:
-            p.timer.cancel()
+        p.settle()
         self._queued_rows -= p.rows
         self._set_depth(self._depth - 1)
 
@@ -275,10 +277,11 @@ class ModelRunner:
                 taken = set(map(id, batch))
                 self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                 return batch
+            timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)  # or an arrival wakes it
             try:
-                await asyncio.wait_for(self._wakeup.wait(), wait)
-            except asyncio.TimeoutError:
-                pass
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
 
     def _finish(self, token: tuple[int, int], batch: list[Pending], fut: asyncio.Future) -> None:
         self._running.discard(fut)
@@ -295,9 +298,7 @@ class ModelRunner:
             if result.rows:
                 self._record_batch(result, len(batch))
         for p, out in zip(batch, outcomes):
-            p.state = State.DONE
-            if p.timer is not None:
-                p.timer.cancel()
+            p.settle()
             if p.future.done():  # the client went away or the deadline passed: its rows are discarded
                 continue
             if isinstance(out, BaseException):

@@ -54,6 +54,18 @@ def require_enabled(config: SharedMemoryConfig, kind: str) -> None:
         raise NotFound(f"{kind} shared memory is disabled (server.shared_memory.{kind}: false)")
 
 
+def uses_shm(request: InferRequest) -> bool:
+    """Whether the request names a shared-memory region (an input or a requested output); most do not, and skip
+    the registry altogether."""
+    for t in request.inputs.values():
+        if type(t) is ShmInput:
+            return True
+    for o in request.outputs or ():
+        if o.shm is not None:
+            return True
+    return False
+
+
 class SharedMemoryRegistry:
     """The registered regions by name. Used from the event loop; CUDA work runs in worker threads."""
 

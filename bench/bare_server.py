@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.bare_server", __doc__)
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
     p.add_argument("--model-name", default="trivial", help="model name in the fixed answer (default: trivial)")
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="asyncio's event loop (default) or uvloop's")
     args = p.parse_args(argv)
-    serve(make_app(args.model_name), args.port or free_port())
+    serve(make_app(args.model_name), args.port or free_port(), args.event_loop)
     return 0
 
 

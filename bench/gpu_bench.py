@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpubench.common import say
+from bench.gpubench.common import add_load_arguments, chosen_parts, say
 from bench.scripts import script_parser
 
 MODELS = "tiny_cnn,mid_cnn,resnet18"
@@ -50,15 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="1,2,4", help="(b) and (c): contexts per model")
     p.add_argument("--modes", default="inprocess,multiproc", help="(b): where contexts run")
     p.add_argument("--http-modes", default="inprocess", help="(c): where contexts run")
-    p.add_argument("--clients", type=int, default=256, help="(b)/(c): closed-loop clients")
-    p.add_argument("--client-processes", type=int, default=4, help="(c): processes the clients are spread over")
-    p.add_argument("--delay-us", type=int, default=500, help="max_queue_delay_microseconds with batching on")
     p.add_argument("--reloads", type=int, default=2, help="(d): bare-loop loads and lru rounds per model")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the code")
+    add_load_arguments(p, clients=256, client_processes=4, delay_us=500)
     args = p.parse_args(argv)
-    parts = set(args.parts.split(","))
-    if not parts <= {"a", "b", "c", "d", "t"}:
-        p.error(f"--parts takes a subset of a,b,c,d,t, got {args.parts}")
+    parts = chosen_parts(p, args.parts, "a,b,c,d,t")
 
     import onnxruntime as ort
 

@@ -43,9 +43,18 @@ def add_health_routes(app) -> None:
     app.router.add_get("/v2/health/ready", ready)
 
 
-def serve(app, port: int) -> None:
-    """Serve an aiohttp app on 127.0.0.1:``port`` without an access log; print ``READY http=PORT`` once listening."""
+def serve(app, port: int, event_loop: str = "asyncio") -> None:
+    """Serve an aiohttp app on 127.0.0.1:``port`` without an access log, on asyncio's event loop or uvloop's;
+    print ``READY http=PORT`` once listening."""
+    import asyncio
+
     from aiohttp import web
 
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, shutdown_timeout=1.0,
+    if event_loop == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, shutdown_timeout=1.0, loop=loop,
                 print=lambda *_: print(f"READY http={port}", flush=True))

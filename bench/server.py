@@ -130,16 +130,21 @@ class ServerProcess(Subprocess):
             embedded default config.
         workdir: where the config and the server's log go.
         env: extra environment variables for the server.
+        frontends: ``--frontends``: 0 (default) single-process mode whatever the machine's cores, so that a bench
+            or test measures the same mode everywhere (the server's own default depends on the cores); None: the
+            server's default. A config dict that sets ``server.frontends`` decides itself.
 
     Raises:
         RuntimeError: the server exited or was not ready within ``timeout_s``; the message holds its log.
     """
 
     def __init__(self, config: dict | str | Path | None, workdir: Path, *, env: dict[str, str] | None = None,
-                 timeout_s: float = 180.0, name: str = "server") -> None:
+                 timeout_s: float = 180.0, name: str = "server", frontends: int | None = 0) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cmd = [sys.executable, "-m", "batcher", "serve", "--port", str(port)]
+        if frontends is not None and not (isinstance(config, dict) and "frontends" in config.get("server", {})):
+            cmd += ["--frontends", str(frontends)]
         if isinstance(config, dict):
             import yaml
 

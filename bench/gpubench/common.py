@@ -16,6 +16,23 @@ SIZES = (1, 2, 4, 8, 16, 32)
 IMAGE = 224
 
 
+def add_load_arguments(p, *, clients: int, client_processes: int, delay_us: int) -> None:
+    """The options every GPU bench's HTTP steps share: the closed-loop clients and their processes, the batch window
+    and the device (``cpu``: a dry run of the code on the CPU provider)."""
+    p.add_argument("--clients", type=int, default=clients, help="closed-loop clients")
+    p.add_argument("--client-processes", type=int, default=client_processes, help="load generator processes")
+    p.add_argument("--delay-us", type=int, default=delay_us, help="max_queue_delay_microseconds with batching on")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the code")
+
+
+def chosen_parts(p, text: str, allowed: str) -> set[str]:
+    """The parts ``--parts`` names (a comma-separated subset of ``allowed``); a parser error otherwise."""
+    parts = set(text.split(","))
+    if not parts <= set(allowed.split(",")):
+        p.error(f"--parts takes a subset of {allowed}, got {text}")
+    return parts
+
+
 def say(*parts: object) -> None:
     """Print and flush: a run killed at its time limit still shows what it did."""
     print(*parts, flush=True)

@@ -8,15 +8,25 @@ import time
 import aiohttp
 import numpy as np
 import orjson
+import pytest
 from helpers import dispatched, infer_kwargs, queued, until
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
 
+#: tests that run in single-process mode and in multi-process mode (one front-end process and one engine process:
+#: every request crosses the process boundary), with the same assertions.
+BOTH_MODES = pytest.mark.parametrize("frontends", [0, 1], ids=["single", "multi"])
 
-async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_server):
+
+def _mode(frontends: int, config: dict) -> dict:
+    return {**config, "server": {**config.get("server", {}), "frontends": frontends}}
+
+
+@BOTH_MODES
+async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_server, frontends):
     """Acceptance 5: a 50 ms request queued behind a slow batch gets 504 at its deadline, while that batch still
     runs, and never executes. (The exact time, 50 ms, is tests/unit/test_scheduler.py's, on a virtual clock.)"""
-    server = start_server({"models": [{**MID}]})
+    server = start_server(_mode(frontends, {"models": [{**MID}]}))
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     big = np.ones((8, 3, 224, 224), np.float32)  # ~0.5 s on one thread
@@ -42,9 +52,11 @@ async def test_deadline_expires_in_queue_at_its_deadline_and_never_runs(start_se
     assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1
 
 
-async def test_queue_full_answers_503_with_retry_after(start_server):
+@BOTH_MODES
+async def test_queue_full_answers_503_with_retry_after(start_server, frontends):
     """Acceptance 5: max_queue_size 4, 50 simultaneous requests: only 200s and 503s, adding up to 50."""
-    server = start_server({"models": [{**MID, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 4}}}]})
+    server = start_server(_mode(frontends, {"models": [
+        {**MID, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 4}}}]}))
     url = f"{server.base}/v2/models/mid_cnn/infer"
     x = np.ones((1, 3, 224, 224), np.float32)
     depths: list[float] = []
@@ -105,9 +117,10 @@ async def test_engine_error_fails_only_its_batch(start_server):
     assert server.metric("batcher_request_failure_total", model="rec_raw", version="1", reason="backend") == 1
 
 
-async def test_body_over_limit_is_413(start_server):
-    server = start_server({"server": {"max_body_bytes": 4096},
-                           "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
+@BOTH_MODES
+async def test_body_over_limit_is_413(start_server, frontends):
+    server = start_server(_mode(frontends, {"server": {"max_body_bytes": 4096},
+                           "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]}))
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", data=b"x" * 5000) as r:
             assert r.status == 413
@@ -116,9 +129,10 @@ async def test_body_over_limit_is_413(start_server):
             assert r.status == 200
 
 
-async def test_client_that_goes_away_while_queued_is_never_executed(start_server):
+@BOTH_MODES
+async def test_client_that_goes_away_while_queued_is_never_executed(start_server, frontends):
     """A queued request whose client disconnects is dropped: it never runs and counts as canceled."""
-    server = start_server({"models": [{**MID}]})
+    server = start_server(_mode(frontends, {"models": [{**MID}]}))
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     async with aiohttp.ClientSession() as s:
@@ -195,10 +209,11 @@ async def test_priority_zero_or_above_the_levels_means_the_default_level(start_s
     assert server.metric("batcher_request_success_total", model="mid_cnn", version="1") == 5
 
 
-async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met(start_server):
+@BOTH_MODES
+async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met(start_server, frontends):
     """Once the server has measured execution time, a request whose deadline falls before the rows ahead of it
     can drain gets 503 with a Retry-After from the estimated drain time at once, not a 504 after waiting."""
-    server = start_server({"models": [{**MID}]})
+    server = start_server(_mode(frontends, {"models": [{**MID}]}))
     labels = {"model": "mid_cnn", "version": "1"}
     url = f"{server.base}/v2/models/mid_cnn/infer"
     loop = asyncio.get_running_loop()
@@ -221,8 +236,9 @@ async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met
     assert server.metric("batcher_execution_count_total", **labels) == 2  # the rejected request never ran
 
 
-async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
-    server = start_server({"server": {"shutdown_grace_s": 20}, "models": [{**MID}]})
+@BOTH_MODES
+async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server, frontends):
+    server = start_server(_mode(frontends, {"server": {"shutdown_grace_s": 20}, "models": [{**MID}]}))
     url = f"{server.base}/v2/models/mid_cnn/infer"
     async with aiohttp.ClientSession() as s:
 
@@ -249,10 +265,11 @@ async def test_sigterm_finishes_accepted_requests_then_exits_0(start_server):
     assert "stopped" in server.log()
 
 
-async def test_no_answer_after_the_deadline_even_while_executing(start_server):
+@BOTH_MODES
+async def test_no_answer_after_the_deadline_even_while_executing(start_server, frontends):
     """A request whose batch is still executing at its deadline gets 504 at the deadline, not its late result: the
     answer comes while the batch (~0.5 s) still runs. (Exactly at 150 ms: tests/unit/test_scheduler.py.)"""
-    server = start_server({"models": [{**MID, "dynamic_batching": {"admission_control": False}}]})
+    server = start_server(_mode(frontends, {"models": [{**MID, "dynamic_batching": {"admission_control": False}}]}))
     labels = {"model": "mid_cnn", "version": "1"}
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as s:

@@ -20,6 +20,7 @@ import tritonclient.utils.shared_memory as shm
 from helpers import reference
 from tritonclient.utils import InferenceServerException
 
+from bench.peers import descendants
 from bench.server import ServerProcess
 
 PREFIX = f"trtb-it-{os.getpid()}-"
@@ -28,10 +29,12 @@ _keys = itertools.count()
 MODELS = {"tiny_cnn": ("input", "logits", (2, 3, 224, 224)), "ppocr_cls": ("x", "save_infer_model/scale_0.tmp_1", (3, 3, 48, 192))}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
+@pytest.fixture(scope="module", params=[0, 2], ids=["single", "multi"])
+def server(request, tmp_path_factory, cache_dir):
+    """Single-process mode, and multi-process mode (two front ends: registrations reach the engine process, which
+    maps the regions)."""
     config = {
-        "server": {"shared_memory": {"system": True, "cuda": True}},
+        "server": {"shared_memory": {"system": True, "cuda": True}, "frontends": request.param},
         "models": [
             {"name": "tiny_cnn", "path": "zoo:tiny_cnn", "max_batch_size": 8},
             {"name": "ppocr_cls", "path": "zoo:ppocr_cls", "max_batch_size": 8, "inputs": [{"name": "x", "dims": [3, 48, 192]}]},
@@ -72,9 +75,15 @@ def regions(client):
 
 
 def server_mappings(server, key: str) -> int:
-    """How many mappings of /dev/shm/<key> the server process has."""
-    with open(f"/proc/{server.proc.pid}/maps") as f:
-        return sum(1 for line in f if line.rstrip().endswith("/dev/shm" + key))
+    """How many mappings of /dev/shm/<key> the server's processes have."""
+    count = 0
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                count += sum(1 for line in f if line.rstrip().endswith("/dev/shm" + key))
+        except OSError:
+            pass
+    return count
 
 
 def unmapped(server, *keys: str) -> bool:

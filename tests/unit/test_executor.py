@@ -1,13 +1,20 @@
-"""execute_batch: a batch the engine fails on is run again request by request, so only the request at fault fails."""
+"""execute_batch: a batch the engine fails on is run again request by request, so only the request at fault fails.
+ThreadExecutor's hand-off: a context whose batches cost less CPU than the hand-off runs them on the event loop
+(``server.inline_execution_us``), a costly batch sends the next ones back to the thread, and contexts that must
+stay on their own thread never run inline."""
 
 from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from fakes import FakeContext, rows
 
 from batcher.batching import Pending, shape_key
 from batcher.errors import ExecutionFailed, InvalidInput
-from batcher.executor import execute_batch
+from batcher.executor import INLINE_AFTER, BatchResult, ThreadExecutor, execute_batch
 from engines.base import EngineError, EngineInputError
 
 
@@ -48,3 +55,54 @@ def test_an_engine_failure_that_is_not_the_input_is_a_500_for_the_request_that_f
     outcomes = execute_batch(ctx, [_pending(-1.0)], "m", None, now=lambda: 0.0).outcomes
     assert isinstance(outcomes[0], ExecutionFailed) and outcomes[0].status == 500
     assert ctx.batches == [-1]  # a batch of one is not run twice
+
+def batch(ctx, threads: list[int], burn_s: float = 0.0) -> BatchResult:
+    """A batch function: records the thread it ran on; ``burn_s`` of CPU time."""
+    threads.append(threading.get_ident())
+    end = time.thread_time() + burn_s
+    while time.thread_time() < end:
+        pass
+    return BatchResult([{}], (0.0, 0.0, 0.0), rows=1)
+
+
+async def test_cheap_batches_move_to_the_event_loop_and_a_costly_one_moves_them_back():
+    ex = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    for _ in range(INLINE_AFTER):
+        await ex.submit(batch, threads)
+    assert loop_thread not in threads  # measured in the context's thread first
+    assert ex.inline
+    await ex.submit(batch, threads)
+    assert threads[-1] == loop_thread  # cheap: no hand-off any more
+    await ex.submit(batch, threads, 0.005)  # one batch 50x the bound (a new shape, say) runs inline once...
+    assert not ex.inline
+    await ex.submit(batch, threads)
+    assert threads[-1] != loop_thread  # ...and the next ones go back to the thread
+    ex.close()
+
+
+async def test_no_inline_execution_when_disabled_or_when_the_context_owns_its_thread():
+    threads: list[int] = []
+    never = ThreadExecutor(FakeContext(), "t", inline_s=0.0)
+    for _ in range(INLINE_AFTER + 4):
+        await never.submit(batch, threads)
+    assert threading.get_ident() not in threads and not never.inline
+    never.close()
+
+    owned = OwnThreadContext()  # a CUDA-graph context: its batches run on its own thread
+    bound = ThreadExecutor(owned, "t", inline_s=1.0)
+    for _ in range(INLINE_AFTER + 4):
+        await bound.submit(batch, threads)
+    assert not bound.inline and threading.get_ident() not in threads
+    owned.executor.shutdown()
+
+
+class OwnThreadContext(FakeContext):
+    def __init__(self) -> None:
+        super().__init__()
+        self._executor = ThreadPoolExecutor(max_workers=1)
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        return self._executor

@@ -1,0 +1,341 @@
+"""An engine process of multi-process mode: the queues, batchers, executors and contexts of one device, serving
+front-end processes over Unix sockets (:mod:`batcher.ipc`).
+
+Per front end (:class:`FrontendConnection`): each REQ message runs :meth:`DataPlane.infer` as a task, with
+``read`` = the request of the message (inputs as views of the shared area, no copy) and ``deliver`` = send the
+outputs to the front end (RESULT) and wait for its ACK - ok, too late, or failed - so the outcome is counted
+once, here, after delivery, as in single-process mode. ABORT (the client went away) cancels the task (counted
+``canceled``); a front end that dies cancels every task it had (counted ``dropped``).
+
+A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
+RELEASE message later) only when nothing reads it any more (:class:`batcher.protocol.Lease`): a request answered
+504 while its batch executes is still read by that batch.
+
+The status area (one int64 per served model version, shared with every front end) holds the requests each
+version has here - waiting, running or being delivered - which front ends read to route ``least_queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+
+from .config import Config
+from .dataplane import FRONTEND_LOST, DataPlane
+from .errors import BatcherError, RemoteError
+from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
+                  error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
+from .loader import load_model
+from .metrics import Metrics
+from .protocol import InferResponse, Lease
+from .repository import ModelRepository
+from .topology import DeviceOrder, contexts_on, device_name, engine_config, engine_devices, engine_slots, placed_on
+
+log = logging.getLogger(__name__)
+
+
+class FrontendConnection:
+    """One front end's connection: its shared area, its requests in progress and their acknowledgements."""
+
+    def __init__(self, server: EngineServer, index: int) -> None:
+        self.server = server
+        self.index = index
+        self.dataplane = server.dataplane
+        half = server.buffer_bytes // 2
+        self.area = Area(server.buffer_bytes)
+        self.registration = server.register(self.area)
+        self.outputs = Allocator(half, server.buffer_bytes - half)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.acks: dict[int, asyncio.Future] = {}
+        self.out_blocks: dict[int, list[int]] = {}
+        self.channel = Channel(self._on_message, self._on_lost)
+        self.closed = asyncio.Event()
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == REQ:
+            self.tasks[msg[1]] = asyncio.get_running_loop().create_task(self._infer(*msg[1:]))
+        elif kind == ACK:
+            self._free_outputs(msg[1])
+            fut = self.acks.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+        elif kind == ABORT:
+            task = self.tasks.get(msg[1])
+            if task is not None:
+                task.cancel()
+            self._free_outputs(msg[1])
+        elif kind == CALL:
+            asyncio.get_running_loop().create_task(self._call(*msg[1:]))
+        else:
+            log.error("front end %d sent an unknown message kind %r", self.index, kind)
+
+    def _on_lost(self) -> None:
+        """The front end is gone: drop its requests (counted ``dropped``); the area goes with the last view."""
+        if self.tasks:
+            log.warning("front end %d is gone: dropping its %d request(s) in progress", self.index, len(self.tasks))
+        for task in list(self.tasks.values()):
+            task.cancel(FRONTEND_LOST)
+        asyncio.get_running_loop().create_task(self._close_when_idle())
+
+    async def _close_when_idle(self) -> None:
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.server.unregister(self.registration)
+        self.area.close()
+        self.server.connections.discard(self)
+        self.closed.set()
+
+    def _free_outputs(self, rid: int) -> None:
+        for off in self.out_blocks.pop(rid, ()):
+            self.outputs.free(off)
+
+    # ---------------------------------------------------------------- one request
+    async def _infer(self, rid: int, model: str, version: str, received: float, fields: tuple, inputs: list,
+                     failure: Any) -> None:
+        send = self.channel.send
+        concluded = False
+        handler_held = True
+
+        def inputs_free() -> None:
+            if concluded:
+                send((RELEASE, rid))
+
+        lease = Lease(inputs_free)
+
+        def release_handler() -> None:  # this handler reads the inputs no more
+            nonlocal handler_held
+            if handler_held:
+                handler_held = False
+                lease.release()
+
+        async def read():
+            if failure == CANCELED:
+                raise asyncio.CancelledError()
+            if failure is not None:
+                raise RemoteError(*failure)
+            return request_from(fields, unpack_tensors(inputs, self.area), lease)
+
+        counts, slot = self.server.counts, self.server.slot_index.get((model, version), -1)
+        if slot >= 0:
+            counts[slot] += 1
+
+        def uncount() -> None:  # no more work here: waiting, running, done
+            nonlocal slot
+            if slot >= 0:
+                counts[slot] -= 1
+                slot = -1
+
+        async def deliver(response: InferResponse) -> None:
+            nonlocal concluded
+            uncount()
+            release_handler()
+            entries, blocks = pack_tensors(response.outputs, self.area, self.outputs)
+            if blocks:
+                self.out_blocks[rid] = blocks
+            ack = self.acks[rid] = asyncio.get_running_loop().create_future()
+            send((RESULT, rid, response.model_name, response.model_version, entries, response.deadline, lease.free))
+            concluded = True
+            error = await ack
+            if error is not None:  # the front end answered the client with this error (e.g. 504: too late)
+                raise RemoteError(*error)
+
+        outcome: Any = None
+        try:
+            await self.dataplane.infer(model, version, received, read, deliver)
+        except BatcherError as exc:
+            outcome = error_tuple(exc)
+        except asyncio.CancelledError:
+            outcome = None  # nobody waits for an answer: the client or its front end is gone
+        except Exception as exc:  # a bug: the front end answers 500
+            log.exception("request %d of front end %d failed", rid, self.index)
+            outcome = error_tuple(exc)
+        finally:
+            uncount()
+            self.tasks.pop(rid, None)
+            self.acks.pop(rid, None)
+            release_handler()
+            if not concluded:
+                concluded = True
+                send((ERROR, rid, outcome, lease.free))
+
+    async def _call(self, cid: int, method: str, args: tuple, kwargs: dict) -> None:
+        """A public data-plane method for the front end (metadata, statistics, repository, shared memory, ...)."""
+        try:
+            if method.startswith("_") or not callable(getattr(self.dataplane, method, None)):
+                raise RemoteError(500, "other", f"the data plane has no method {method!r}")
+            cuda_shm = method.startswith("shm_") and args[:1] == ("cuda",)
+            if cuda_shm and "device_id" in kwargs:  # the client's device numbering -> this process's
+                kwargs = {**kwargs, "device_id": self.server.devices.local(kwargs["device_id"])}
+            value = getattr(self.dataplane, method)(*args, **kwargs)
+            if asyncio.iscoroutine(value):
+                value = await value
+            if cuda_shm and isinstance(value, list):
+                value = [{**v, "device_id": self.server.devices.client(v["device_id"])} if "device_id" in v else v
+                         for v in value]
+            self.channel.send((REPLY, cid, True, value))
+        except Exception as exc:
+            if not isinstance(exc, BatcherError):
+                log.exception("call %s%r from front end %d failed", method, args, self.index)
+            self.channel.send((REPLY, cid, False, error_tuple(exc)))
+
+
+class EngineServer:
+    """Accepts front ends on a Unix socket and serves them from one :class:`DataPlane`.
+
+    Args:
+        dataplane: started (models loaded).
+        device: the GPU this process serves, or None (CPU): on a GPU each connection's area is page-locked
+            (``cudaHostRegister``), so host-to-device copies read it directly.
+        path: the socket's path.
+        buffer_bytes: size of each connection's shared area (``server.frontend_buffer_mb``).
+        keys: (name, version) of the model versions served (:func:`batcher.topology.engine_slots`).
+        devices: how this process numbers the GPUs (CUDA shared-memory regions name the client's numbering).
+    """
+
+    def __init__(self, dataplane: DataPlane, device: int | None, path: str, buffer_bytes: int,
+                 keys: list[tuple[str, str]], devices: DeviceOrder | None = None) -> None:
+        self.dataplane = dataplane
+        self.device = device
+        self.devices = devices or DeviceOrder(None, [0])
+        self.path = path
+        self.buffer_bytes = buffer_bytes
+        self.slot_index = {k: i for i, k in enumerate(keys)}
+        self.status = Area(8 * max(1, len(keys)))
+        self.counts = np.ndarray((max(1, len(keys)),), np.int64, buffer=self.status.buf)
+        self.connections: set[FrontendConnection] = set()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._next_index = 0
+        self._cuda_ok = device is not None
+
+    async def start(self) -> None:
+        """Listen (a stale socket file of an earlier engine process is replaced)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            try:
+                await self._open(sock)
+            except (OSError, ValueError) as exc:
+                log.warning("a front end's connection failed during the handshake: %s", exc)
+                sock.close()
+
+    async def _open(self, sock: socket.socket) -> None:
+        conn = FrontendConnection(self, self._next_index)
+        self._next_index += 1
+        hello = {"pid": os.getpid(), "device": self.device, "area_bytes": self.buffer_bytes,
+                 "slots": list(self.slot_index)}
+        sock.setblocking(True)
+        send_hello(sock, hello, [conn.area.fd, self.status.fd])
+        conn.area.close_fd()
+        sock.setblocking(False)
+        self.connections.add(conn)
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: conn.channel, sock)
+
+    def register(self, area: Area) -> Any:
+        """Page-lock ``area`` on this process's GPU (None on the CPU, or when CUDA refuses: then logged once)."""
+        if not self._cuda_ok:
+            return None
+        try:
+            from engines.cuda import HostRegistration
+
+            return HostRegistration(np.frombuffer(area.buf, np.uint8).ctypes.data, area.size)
+        except Exception as exc:  # no CUDA runtime, or it refused: the area works unregistered
+            log.warning("cannot page-lock the front ends' shared memory (cudaHostRegister): %s", exc)
+            self._cuda_ok = False
+            return None
+
+    def unregister(self, registration: Any) -> None:
+        if registration is not None:
+            try:
+                registration.unregister()
+            except Exception as exc:
+                log.warning("cudaHostUnregister failed: %s", exc)
+
+    async def close(self) -> None:
+        """Stop accepting and close every connection (their requests are dropped)."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            try:
+                await self._accepting
+            except asyncio.CancelledError:
+                pass
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for conn in list(self.connections):
+            conn.channel.close()
+            await conn.closed.wait()
+
+
+# ---------------------------------------------------------------------------------------------- process entry
+def engine_loader(device: int | None):
+    """The repository's loader in the engine process of ``device``: only the contexts placed there."""
+
+    def load(cfg, where, on_restart=None):
+        return load_model(cfg, where, on_restart, instances=contexts_on(cfg, device))
+
+    return load
+
+
+async def run_engine(config: Config, device: int | None, path: str, ready: Any, devices: DeviceOrder) -> int:
+    """Load the models of ``device``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
+    code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
+    ``("error", message)``."""
+    from .errors import ConfigError
+
+    cfg = engine_config(config, device)
+    metrics = Metrics()
+    repository = ModelRepository(cfg, metrics, loader=engine_loader(device), serves=placed_on(device))
+    dataplane = DataPlane(cfg, metrics, repository, deliver_checks_deadline=True)
+    try:
+        await dataplane.start()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        ready.send(("error", str(exc)))
+        return 2
+    server = EngineServer(dataplane, device, path, config.server.frontend_buffer_mb << 20,
+                          engine_slots(config, device), devices)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("engine process for %s: %d model version(s) ready", device_name(device), len(server.slot_index))
+    ready.send(("ready", os.getpid()))
+    await stop.wait()
+    await server.close()
+    await dataplane.close()
+    return 0
+
+
+def engine_main(config: Config, device: int | None, path: str, log_level: str, ready: Any) -> None:
+    """The engine process (``multiprocessing`` spawn target): pins ``device`` first (``CUDA_VISIBLE_DEVICES``
+    lists it first, :class:`batcher.topology.DeviceOrder`)."""
+    from .supervisor import child_setup, run
+
+    gpus = [d for d in engine_devices(config) if d is not None]
+    devices = DeviceOrder(device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if devices.pinned:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
+    child_setup(f"engine {device_name(device)}", log_level)
+    sys.exit(run(run_engine(config, device, path, ready, devices), config.server.event_loop))

@@ -1,0 +1,322 @@
+"""A front-end process of multi-process mode: the aiohttp app of single-process mode (same routes, codec,
+error mapping, SIGTERM drain) in front of :class:`RemoteDataPlane`, listening with ``SO_REUSEPORT`` on the port
+every front end shares (the kernel spreads connections over them).
+
+:class:`RemoteDataPlane` has the public methods of :class:`batcher.dataplane.DataPlane`; how it reaches the engine
+processes is :mod:`batcher.remote`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .config import Config, ModelConfig
+from .dataplane import Inflight, late_answer
+from .errors import RemoteError, Unavailable
+from .ipc import CANCELED, RESULT, error_tuple
+from .metrics import Metrics
+from .protocol import InferRequest, InferResponse
+from .remote import EngineLink
+from .repository import ModelSlots
+from .strategy import Strategy, Target
+from .topology import device_name, engine_devices, engine_slots, model_devices, weight
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RemoteDataPlane:
+    """The data plane of one front end: inference and every other call, answered by the engine processes.
+
+    Args:
+        paths: the Unix socket of each engine process, by device (:func:`batcher.topology.engine_devices`).
+        metrics: counts what no engine can (a request for a model whose engine processes are all down).
+    """
+
+    def __init__(self, config: Config, metrics: Metrics, paths: dict[int | None, str]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
+        self.strategy = Strategy(config.routing.strategy)
+        self.links = [EngineLink(d, paths[d], engine_slots(config, d)) for d in engine_devices(config)]
+        by_device = {link.device: link for link in self.links}
+        self._links_of = {(m.name, str(m.version)): [by_device[d] for d in model_devices(m)] for m in config.models}
+        self._inflight = Inflight()
+        self._rids = itertools.count()
+        self._started = False
+        self._draining = False
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def ready(self) -> bool:
+        """Started, not draining, and every engine process connected."""
+        return self._started and not self._draining and all(link.connected for link in self.links)
+
+    async def start(self) -> None:
+        """Connect to every engine process (they are ready before front ends start)."""
+        await asyncio.gather(*(link.connect() for link in self.links))
+        self._started = True
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: readiness false and new requests 503, until this front end's accepted requests are answered
+        (at most ``grace_s``); the engine processes stay up until every front end is done."""
+        self._draining = True
+        await self._inflight.wait_quiet(grace_s)
+
+    async def close(self) -> None:
+        self._draining = True
+        await asyncio.gather(*(link.close() for link in self.links))
+
+    # ---------------------------------------------------------------- inference
+    def _route(self, cfg: ModelConfig, named: bool, request: InferRequest | None
+               ) -> tuple[EngineLink, ModelConfig] | None:
+        """The engine process and model version for one request (:mod:`batcher.strategy`); None: every engine
+        process that could serve it is down."""
+        key = request.routing_key if request is not None else None
+        cfgs = self._served_cfgs(cfg.name) if not named and self.strategy.spreads(key) else [cfg]
+        options = [(link, c) for c in cfgs for link in self._links_of[(c.name, str(c.version))] if link.connected]
+        if not options:
+            return None
+        if request is None or len(options) == 1:
+            return options[0]
+        targets = [Target(f"{c.name}/{c.version}@{device_name(link.device)}", weight(c, link.device),
+                          link.load((c.name, str(c.version)))) for link, c in options]
+        return options[self.strategy.choose(cfg.name, targets, key)]
+
+    async def infer(self, model: str, version: str | None, received: float,
+                    read: Callable[[], Awaitable[InferRequest]],
+                    deliver: Callable[[InferResponse], Awaitable[T]]) -> T:
+        """:meth:`batcher.dataplane.DataPlane.infer` across the process boundary (module docstring); the same
+        answers, counted once by the engine process that served it."""
+        cfg = self.catalog.slot(model, version).cfg  # 404 before reading, as in single-process mode
+        request: InferRequest | None = None
+        failure: Any = None
+        error: BaseException | None = None
+        self._inflight.enter()
+        try:
+            if self._draining or not self._started:
+                error = Unavailable("server is shutting down" if self._draining else "server is not ready")
+                failure = error_tuple(error)
+            else:
+                try:
+                    request = await read()
+                except asyncio.CancelledError:
+                    failure = CANCELED
+                    raise
+                except Exception as exc:
+                    error, failure = exc, error_tuple(exc)
+                finally:
+                    if failure == CANCELED:
+                        self._send_failure(cfg, received, failure)
+            return await self._infer(cfg, version is not None, received, request, failure, error, deliver)
+        finally:
+            self._inflight.leave()
+
+    def _send_failure(self, cfg: ModelConfig, received: float, failure: Any) -> None:
+        """A request that was never read, sent only to be counted (its client is gone)."""
+        route = self._route(cfg, True, None)
+        if route is not None:
+            route[0].submit(next(self._rids), route[1], received, None, failure)
+
+    async def _infer(self, cfg: ModelConfig, named: bool, received: float, request: InferRequest | None,
+                     failure: Any, error: BaseException | None, deliver: Callable[[InferResponse], Awaitable[T]]
+                     ) -> T:
+        route = self._route(cfg, named, request)
+        if route is None:
+            self.metrics.failure.labels(cfg.name, str(cfg.version), "rejected").inc()
+            raise Unavailable(f"model '{cfg.name}': the engine process serving it is not running; it is being "
+                              "restarted", retry_after_s=1)
+        link, cfg = route
+        rid = next(self._rids)
+        outcome = link.submit(rid, cfg, received, request, failure)
+        try:
+            msg = await outcome
+        except asyncio.CancelledError:
+            link.abort(rid)
+            raise
+        if error is not None:  # the engine counted it; answer exactly what reading raised (e.g. aiohttp's 413)
+            raise error
+        if msg[0] != RESULT:
+            raise RemoteError(*msg[2])
+        _, _, name, version, entries, deadline, _ = msg
+        try:
+            answer = await deliver(InferResponse(name, version, link.outputs(entries), request, deadline))
+            if deadline is not None and asyncio.get_running_loop().time() > deadline:
+                raise late_answer(name)  # ready too late: no answer after a deadline
+        except asyncio.CancelledError:
+            link.abort(rid)
+            raise
+        except Exception as exc:
+            link.ack(rid, error_tuple(exc))
+            raise
+        link.ack(rid)
+        return answer
+
+    def _served_cfgs(self, name: str) -> list[ModelConfig]:
+        return [self.catalog.slots[name][v].cfg for v in self.catalog.served_versions(name)]
+
+    # ---------------------------------------------------------------- other calls
+    def _serving(self, model: str, version: str | None) -> tuple[ModelConfig, list[EngineLink]]:
+        cfg = self.catalog.slot(model, version).cfg
+        return cfg, self._links_of[(cfg.name, str(cfg.version))]
+
+    async def _first(self, method: str, model: str, version: str | None) -> Any:
+        cfg, links = self._serving(model, version)
+        up = [link for link in links if link.connected] or links
+        return await up[0].call(method, cfg.name, str(cfg.version))
+
+    async def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
+        return await self._first("model_metadata", model, version)
+
+    async def model_config(self, model: str, version: str | None = None) -> dict[str, Any]:
+        return await self._first("model_config", model, version)
+
+    async def model_ready(self, model: str, version: str | None = None) -> bool:
+        cfg, links = self._serving(model, version)
+        if not self.ready:
+            return False
+        try:
+            answers = await asyncio.gather(*(link.call("model_ready", cfg.name, str(cfg.version)) for link in links))
+        except Unavailable:  # an engine process went away meanwhile
+            return False
+        return all(answers)
+
+    async def statistics(self, model: str | None = None, version: str | None = None) -> dict[str, Any]:
+        links = self.links
+        if model is not None:
+            cfg = self.catalog.slot(model, version).cfg
+            cfgs = [cfg] if version is not None else self._served_cfgs(cfg.name)
+            links = list(dict.fromkeys(link for c in cfgs for link in self._links_of[(c.name, str(c.version))]))
+        docs = await asyncio.gather(*(link.call("statistics", model, version) for link in links))
+        return merge_statistics(docs)
+
+    async def repository_index(self, ready: bool | None = None) -> list[dict[str, Any]]:
+        docs = await asyncio.gather(*(self._index_of(link) for link in self.links))
+        merged = merge_index(self.config.models, [(set(link.keys), doc) for link, doc in zip(self.links, docs)])
+        return [e for e in merged if ready is None or (e["state"] == "READY") == ready]
+
+    async def _index_of(self, link: EngineLink) -> list[dict[str, Any]]:
+        if not link.connected:
+            return [{"name": n, "version": v, "state": "UNAVAILABLE", "reason": f"the {link.name} is restarting"}
+                    for n, v in link.keys]
+        return await link.call("repository_index")
+
+    async def repository_events(self) -> dict[str, Any]:
+        docs = await asyncio.gather(*(link.call("repository_events") for link in self.links))
+        budgets = [d["memory_budget_bytes"] for d in docs if d["memory_budget_bytes"] is not None]
+        return {"events": sorted((e for d in docs for e in d["events"]), key=lambda e: e.get("time", 0)),
+                "memory_used_bytes": sum(d["memory_used_bytes"] for d in docs),
+                "memory_budget_bytes": sum(budgets) if budgets else None}
+
+    async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        await self._on_all_serving("load", model, config)
+
+    async def unload(self, model: str) -> None:
+        await self._on_all_serving("unload", model)
+
+    async def _on_all_serving(self, method: str, model: str, *args: Any) -> None:
+        self.catalog.slot(model, None)
+        links = {link for cfg in self.config.models if cfg.name == model
+                 for link in self._links_of[(cfg.name, str(cfg.version))]}
+        await asyncio.gather(*(link.call(method, model, *args) for link in links))
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        """Any other public data-plane method (e.g. the shared-memory extension's): called in every engine process
+        (a request may go to any of them); the first answer is returned."""
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def everywhere(*args: Any, **kwargs: Any) -> Any:
+            answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in self.links))
+            return answers[0]
+
+        return everywhere
+
+
+# ---------------------------------------------------------------------------------------------- merging answers
+def _add(into: dict[str, Any], doc: dict[str, Any]) -> None:
+    """Add the numbers of ``doc`` into ``into`` (nested dicts), in place."""
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            _add(into.setdefault(k, {}), v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            into[k] = into.get(k, 0) + v
+        else:
+            into.setdefault(k, v)
+
+
+def merge_statistics(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Triton's statistics documents of several engine processes as one: counts and nanoseconds add up, per model
+    version and per batch size; ``last_inference`` is the latest."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for doc in docs:
+        for entry in doc["model_stats"]:
+            key = (entry["name"], entry["version"])
+            into = merged.get(key)
+            if into is None:
+                merged[key] = {**entry, "inference_stats": dict(entry["inference_stats"]),
+                               "batch_stats": [dict(b) for b in entry["batch_stats"]]}
+                continue
+            last = max(into["last_inference"], entry["last_inference"])
+            _add(into, {k: v for k, v in entry.items() if k not in ("batch_stats", "name", "version")})
+            into["last_inference"] = last
+            sizes = {b["batch_size"]: b for b in into["batch_stats"]}
+            for b in entry["batch_stats"]:
+                if b["batch_size"] in sizes:
+                    _add(sizes[b["batch_size"]], {k: v for k, v in b.items() if k != "batch_size"})
+                else:
+                    into["batch_stats"].append(dict(b))
+            into["batch_stats"].sort(key=lambda b: b["batch_size"])
+    return {"model_stats": list(merged.values())}
+
+
+def merge_index(models: list[ModelConfig], docs: list[tuple[set[tuple[str, str]], list[dict[str, Any]]]]
+                ) -> list[dict[str, Any]]:
+    """The repository index of several engine processes (each with the versions it serves) as one, in config
+    order: a version is READY when every engine process serving it has it READY (else the first other state and
+    its reason); memory figures add up and worker pids are listed together. A version no engine process serves
+    (the version policy) shows as any engine process that has its model reports it."""
+    out = []
+    for m in models:
+        key = (m.name, str(m.version))
+        entries = [(key in served, e) for served, doc in docs for e in doc if (e["name"], e["version"]) == key]
+        parts = [e for serving, e in entries if serving] or [e for _, e in entries[:1]]
+        if not parts:
+            continue
+        entry = dict(next((e for e in parts if e["state"] != "READY"), parts[0]))
+        for field in ("measured_bytes", "footprint_bytes"):
+            if all(field in e for e in parts):
+                entry[field] = sum(e[field] for e in parts)
+        pids = [p for e in parts for p in e.get("worker_pids", ())]
+        if pids:
+            entry["worker_pids"] = pids
+        out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- process entry
+def frontend_main(config: Config, index: int, paths: dict[int | None, str], host: str, port: int, access_log: bool,
+                  log_level: str, ready: Any) -> None:
+    """A front-end process (``multiprocessing`` spawn target): the HTTP app on ``host:port`` with
+    ``SO_REUSEPORT``, until SIGTERM (drain, then exit) or SIGINT. ``ready`` gets ``("ready", pid)`` once it
+    listens."""
+    import os
+
+    from aiohttp import web
+
+    from .app import create_app
+    from .supervisor import child_setup, new_event_loop
+
+    child_setup(f"frontend {index}", log_level)
+    app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
+    web.run_app(
+        app, host=host, port=port, reuse_port=True, loop=new_event_loop(config.server.event_loop),
+        access_log=logging.getLogger("aiohttp.access") if access_log else None,
+        print=lambda _msg: ready.send(("ready", os.getpid())),
+        handle_signals=True, handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s,
+    )

@@ -1,0 +1,287 @@
+"""The wire between a front-end process and an engine process: framed messages over a Unix socket, and the
+shared memory that request and response tensors travel through.
+
+* **Messages** are pickled tuples (small: ids, names, shapes, offsets; tensors under :data:`INLINE_BYTES` ride
+  inline), each framed by a 4-byte little-endian length, over an asyncio Unix-socket transport
+  (:class:`Channel`). Messages sent in one event-loop iteration leave in one write, so one batch's answers to
+  one front end cost one system call. A peer that dies closes the socket: the other side learns it at once
+  (:meth:`Channel.connection_lost`), which is how an engine drops a dead front end's requests and a front end
+  answers 503 for a dead engine.
+* **Shared memory** (:class:`Area`): one ``memfd_create`` mapping per connection, made by the engine process and
+  passed to the front end with ``SCM_RIGHTS`` (:func:`send_hello` / :func:`recv_hello`). It has no name, so
+  nothing is ever left in ``/dev/shm``: the memory goes when the last process holding it exits, whatever the exit.
+  Its first half holds request tensors (the front end allocates, :class:`Allocator`), its second half response
+  tensors (the engine allocates); a block is reused only after the other side said it is done with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import mmap
+import os
+import pickle
+import socket
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import BatcherError
+from .protocol import InferRequest, Lease
+
+#: tensors smaller than this travel inside the message, larger ones through the shared area (the design sketch's
+#: measure: one copy into shared memory costs more than the socket below about 64 KiB).
+INLINE_BYTES = 64 * 1024
+#: alignment of blocks in the shared area (a cache line; numpy views of any dtype are aligned).
+ALIGN = 64
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+_HELLO_MAX = 1 << 16
+
+# Message kinds (the first element of each message tuple).
+#: front end -> engine: ``(REQ, rid, model, version, received, fields, inputs, failure)``: one inference request
+#: (``fields``: :func:`request_fields`; ``inputs``: :func:`pack_tensors`; ``failure``: :func:`error_tuple` of what
+#: reading it raised, :data:`CANCELED`, or None).
+REQ = 1
+#: ``(ABORT, rid)``: the client went away; cancel it.
+ABORT = 2
+#: ``(ACK, rid, error)``: the answer to RESULT was delivered (error None) or not (its :func:`error_tuple`).
+ACK = 3
+#: ``(CALL, cid, method, args, kwargs)``: call a public data-plane method (metadata, statistics, repository, ...).
+CALL = 4
+#: engine -> front end: ``(RESULT, rid, model, version, outputs, deadline, inputs_free)``.
+RESULT = 11
+#: ``(ERROR, rid, error, inputs_free)``: the request's outcome is this error (:func:`error_tuple`; None when it
+#: was canceled and nobody waits for it).
+ERROR = 12
+#: ``(RELEASE, rid)``: the request's input blocks are no longer read (sent when that happens after its outcome).
+RELEASE = 13
+#: ``(REPLY, cid, ok, value)``: a CALL's result, or its :func:`error_tuple`.
+REPLY = 14
+#: a REQ's ``failure`` when the client went away before its request was read.
+CANCELED = "canceled"
+
+
+def error_tuple(exc: BaseException) -> tuple[int, str, str, int | None]:
+    """``(status, reason, message, retry_after_s)`` of an error, for the other process (:class:`RemoteError`)."""
+    if isinstance(exc, BatcherError):
+        return exc.status, exc.reason, exc.message, exc.retry_after_s
+    return 500, "other", f"internal error: {exc!r}", None
+
+
+def request_fields(r: InferRequest) -> tuple:
+    """An :class:`InferRequest` less its inputs and lease, for a REQ message."""
+    return r.id, r.outputs, r.binary_output, r.timeout_us, r.priority, r.parameters, r.routing_key
+
+
+def request_from(fields: tuple, inputs: dict[str, Any], lease: Lease | None) -> InferRequest:
+    """The :class:`InferRequest` of a REQ message's ``fields`` and unpacked inputs."""
+    rid, outputs, binary_output, timeout_us, priority, parameters, routing_key = fields
+    return InferRequest(inputs, rid, outputs, binary_output, timeout_us, priority, parameters, routing_key, lease)
+
+
+def pack_tensors(tensors: Mapping[str, Any], area: Area | None, allocator: Allocator | None
+                 ) -> tuple[list[tuple], list[int]]:
+    """Tensors for a message: numeric arrays of :data:`INLINE_BYTES` or more are copied into a block of ``area``
+    (``(name, dtype, shape, offset)``), the rest ride inline (``(name, value)``; also any non-array value, e.g. a
+    shared-memory reference). Returns the entries and the offsets of the blocks taken; when the area is full,
+    arrays ride inline."""
+    entries: list[tuple] = []
+    blocks: list[int] = []
+    for name, a in tensors.items():
+        if (area is not None and isinstance(a, np.ndarray) and a.dtype != object and a.nbytes >= INLINE_BYTES):
+            off = allocator.alloc(a.nbytes)
+            if off is not None:
+                np.ndarray(a.shape, a.dtype, buffer=area.buf, offset=off)[...] = a
+                entries.append((name, a.dtype.str, a.shape, off))
+                blocks.append(off)
+                continue
+        entries.append((name, a))
+    return entries, blocks
+
+
+def unpack_tensors(entries: list[tuple], area: Area | None, copy: bool = False) -> dict[str, Any]:
+    """The tensors of :func:`pack_tensors`' entries; arrays in ``area`` are views, or copies with ``copy`` (the
+    block may then be given back at once, whatever happens to the arrays)."""
+    out = {}
+    for e in entries:
+        if len(e) == 2:
+            out[e[0]] = e[1]
+        else:
+            view = np.ndarray(e[2], np.dtype(e[1]), buffer=area.buf, offset=e[3])
+            out[e[0]] = view.copy() if copy else view
+    return out
+
+
+class Channel(asyncio.Protocol):
+    """A framed, pickled message stream over one Unix-socket connection.
+
+    Args:
+        on_message: called with each message, in order, on the event loop.
+        on_lost: called once when the connection is gone (the peer exited or closed it).
+    """
+
+    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[], None]) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self.closed = False
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end = 0, len(buf)
+        messages = []
+        with memoryview(buf) as view:
+            while end - pos >= 4:
+                (n,) = _LEN.unpack_from(buf, pos)
+                if end - pos - 4 < n:
+                    break
+                messages.append(pickle.loads(view[pos + 4:pos + 4 + n]))
+                pos += 4 + n
+        del buf[:pos]
+        for message in messages:
+            try:
+                self._on_message(message)
+            except Exception:  # a bug in a handler: log it, keep the connection
+                log.exception("handling message %r failed", message[:2] if isinstance(message, tuple) else message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self._out.clear()
+            self._on_lost()
+
+    # ---------------------------------------------------------------- sending
+    def send(self, message: Any) -> None:
+        """Queue ``message``; everything queued in this loop iteration is written together. Dropped when closed."""
+        if self.closed:
+            return
+        payload = pickle.dumps(message, protocol=5)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(_LEN.pack(len(payload)))
+        self._out.append(payload)
+
+    def _flush(self) -> None:
+        if self._out and not self.closed and self._transport is not None:
+            self._transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def close(self) -> None:
+        """Write what is queued, then close the connection (``on_lost`` follows)."""
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+
+# ---------------------------------------------------------------------------------------------- shared area
+class Area:
+    """A shared mapping of ``size`` bytes backed by a memfd (no name in ``/dev/shm``).
+
+    Attributes:
+        buf: the mapping (numpy arrays view it with ``np.ndarray(shape, dtype, buffer=area.buf, offset=...)``).
+        fd: the memfd while this process still holds it (to pass on), else -1.
+    """
+
+    def __init__(self, size: int, fd: int | None = None) -> None:
+        self.size = size
+        if fd is None:
+            fd = os.memfd_create("batcher-area", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self.buf = mmap.mmap(fd, size)
+
+    def close_fd(self) -> None:
+        """Close the memfd (the mapping stays; the memory goes with the last mapping)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close(self) -> None:
+        """Unmap, unless numpy views of it are still alive (then the mapping goes with the last of them)."""
+        self.close_fd()
+        try:
+            self.buf.close()
+        except BufferError:
+            pass
+
+
+class Allocator:
+    """First-fit allocation of aligned blocks in ``[start, start + size)`` of an :class:`Area`; free blocks
+    coalesce. Sizes and offsets in bytes."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self._starts = [start]  # free ranges, sorted by start
+        self._ends = [start + size]
+        self._used: dict[int, int] = {}  # offset -> end
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(end - off for off, end in self._used.items())
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free block of at least ``nbytes`` bytes, or None when none is free."""
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        for i, (s, e) in enumerate(zip(self._starts, self._ends)):
+            if e - s >= need:
+                if e - s == need:
+                    del self._starts[i], self._ends[i]
+                else:
+                    self._starts[i] = s + need
+                self._used[s] = s + need
+                return s
+        return None
+
+    def free(self, offset: int) -> None:
+        """Give back the block at ``offset`` (KeyError if it is not allocated)."""
+        end = self._used.pop(offset)
+        i = bisect.bisect(self._starts, offset)
+        if i > 0 and self._ends[i - 1] == offset:  # joins the range before it
+            i -= 1
+            self._ends[i] = end
+        else:
+            self._starts.insert(i, offset)
+            self._ends.insert(i, end)
+        if i + 1 < len(self._starts) and self._starts[i + 1] == self._ends[i]:  # and the one after it
+            self._ends[i] = self._ends[i + 1]
+            del self._starts[i + 1], self._ends[i + 1]
+
+
+# ---------------------------------------------------------------------------------------------- handshake
+def send_hello(sock: socket.socket, hello: Any, fds: list[int]) -> None:
+    """Send the first message of a connection with file descriptors (``SCM_RIGHTS``); blocking, before the socket
+    is handed to the event loop."""
+    payload = pickle.dumps(hello, protocol=5)
+    if len(payload) + 4 > _HELLO_MAX:
+        raise ValueError(f"hello message of {len(payload)} bytes is too large")
+    socket.send_fds(sock, [_LEN.pack(len(payload)) + payload], fds)
+
+
+def recv_hello(sock: socket.socket, max_fds: int = 4) -> tuple[Any, list[int]]:
+    """Receive :func:`send_hello`'s message and descriptors (blocking).
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+    """
+    data, fds, _, _ = socket.recv_fds(sock, _HELLO_MAX, max_fds)
+    if len(data) < 4:
+        raise ConnectionError("connection closed during the handshake")
+    (n,) = _LEN.unpack_from(data, 0)
+    while len(data) < 4 + n:  # a large hello may arrive in parts (the descriptors come with the first)
+        more = sock.recv(4 + n - len(data))
+        if not more:
+            raise ConnectionError("connection closed during the handshake")
+        data += more
+    return pickle.loads(data[4:4 + n]), list(fds)

@@ -1,0 +1,224 @@
+"""A front end's data plane in multi-process mode: the same methods as :class:`batcher.dataplane.DataPlane`,
+answered by the engine processes (:mod:`batcher.engine_proc`) over :mod:`batcher.ipc`.
+
+The HTTP routes and the codec run unchanged in front of it. For an inference request the front end looks the
+model up (404 before reading, as in single-process mode), reads and decodes the body, picks the engine process
+(``routing.strategy`` over the versions and GPUs the request may go to, :mod:`batcher.strategy`; ``least_queue``
+reads each engine's status area), writes tensors of 64 KiB or more once into its shared area and sends the
+request; the engine runs :meth:`DataPlane.infer` and sends the outputs (RESULT) or the error (ERROR); the front
+end encodes the answer, decides whether it is still in time, and acknowledges (ACK) so the engine counts the
+outcome. A request that could not be read is sent too, with the error, so the engine counts it like any other.
+A client that goes away sends ABORT. While an engine process is down (it died; the supervisor restarts it), the
+requests it had get 503 + Retry-After, the versions it serves are routed to another engine process that has them
+or answered 503 (counted here, in the shared metrics), and the front end reconnects once it is back.
+
+Other calls (metadata, config, readiness, statistics, the repository extension) go to the engine processes that
+serve the model, and answers from several are merged (:func:`merge_statistics`, :func:`merge_index`); a method
+this module does not know (e.g. the shared-memory extension's) is sent to every engine process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import RemoteError, Unavailable
+from .ipc import (ABORT, ACK, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
+                  recv_hello, request_fields, unpack_tensors)
+from .protocol import InferRequest
+from .topology import device_name
+
+log = logging.getLogger(__name__)
+
+#: seconds between attempts to reach an engine process that is down, doubling up to the second figure.
+RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.05, 1.0
+
+
+class _Sent:
+    """A request sent to an engine: the future of its outcome message, its model version's status index, and its
+    input blocks until released."""
+
+    __slots__ = ("future", "slot", "blocks")
+
+    def __init__(self, future: asyncio.Future, slot: int, blocks: list[int]) -> None:
+        self.future = future
+        self.slot = slot
+        self.blocks = blocks
+
+
+class EngineLink:
+    """One front end's connection to one engine process (reconnected after the engine process restarts)."""
+
+    def __init__(self, device: int | None, path: str, keys: list[tuple[str, str]]) -> None:
+        self.device = device
+        self.name = f"engine process for {device_name(device)}"
+        self.path = path
+        self.keys = keys
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.connected = False
+        self.pid: int | None = None
+        self._channel: Channel | None = None
+        self._area: Area | None = None
+        self._inputs: Allocator | None = None
+        self._counts: np.ndarray | None = None
+        self._sent: dict[int, _Sent] = {}
+        self._outstanding = [0] * len(keys)  # this front end's requests without an outcome, per model version
+        self._calls: dict[int, asyncio.Future] = {}
+        self._cids = itertools.count()
+        self._reconnecting: asyncio.Task | None = None
+        self._closing = False
+
+    # ---------------------------------------------------------------- connection
+    async def connect(self) -> None:
+        """Connect and take the engine's shared areas.
+
+        Raises:
+            OSError: the engine process is not listening (yet); ValueError: it serves other model versions.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+        def handshake():
+            sock.settimeout(30)
+            sock.connect(self.path)
+            return recv_hello(sock)
+
+        try:
+            hello, fds = await asyncio.to_thread(handshake)
+        except BaseException:
+            sock.close()
+            raise
+        area, status = Area(hello["area_bytes"], fds[0]), Area(8 * max(1, len(self.keys)), fds[1])
+        area.close_fd()
+        status.close_fd()
+        if [tuple(k) for k in hello["slots"]] != self.keys:
+            sock.close()
+            raise ValueError(f"{self.name} serves {hello['slots']}, expected {self.keys}")
+        sock.setblocking(False)
+        channel = Channel(self._on_message, self._on_lost)
+        await asyncio.get_running_loop().create_unix_connection(lambda: channel, sock=sock)
+        self._channel, self._area, self.pid = channel, area, hello["pid"]
+        self._inputs = Allocator(0, area.size // 2)
+        self._counts = np.ndarray((max(1, len(self.keys)),), np.int64, buffer=status.buf)
+        self.connected = True
+
+    def _on_lost(self) -> None:
+        self.connected = False
+        lost = Unavailable(f"the {self.name} stopped; it is being restarted", retry_after_s=1)
+        for sent in self._sent.values():
+            if not sent.future.done():
+                sent.future.set_exception(lost)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(lost)
+        self._sent.clear()
+        self._calls.clear()
+        self._outstanding = [0] * len(self.keys)
+        if self._area is not None:
+            self._area.close()  # unmapped once the last view of it goes
+        self._area = self._inputs = self._counts = None
+        if not self._closing:
+            log.warning("lost the %s (pid %s); answering 503 for its models until it is back", self.name, self.pid)
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay = RECONNECT_FIRST_S
+        while not self._closing:
+            await asyncio.sleep(delay)
+            try:
+                await self.connect()
+            except (OSError, ValueError):
+                delay = min(RECONNECT_MAX_S, delay * 2)
+                continue
+            log.info("reconnected to the %s (pid %s)", self.name, self.pid)
+            return
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        if self._channel is not None:
+            self._channel.close()
+
+    def load(self, key: tuple[str, str]) -> float:
+        """Requests for model version ``key`` in the engine now (its status area), or this front end's requests
+        sent there and not answered yet if more (the engine has not read them all yet, e.g. in a burst)."""
+        if self._counts is None:
+            return float("inf")
+        i = self.index[key]
+        return float(max(self._counts[i], self._outstanding[i]))
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, msg: tuple) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind == RESULT or kind == ERROR:
+            sent = self._sent.get(rid)
+            if sent is None:
+                return
+            if sent.slot >= 0:
+                self._outstanding[sent.slot] -= 1
+                sent.slot = -1
+            if msg[-1]:  # inputs free
+                self._free(rid)
+            if not sent.future.done():
+                sent.future.set_result(msg)
+        elif kind == RELEASE:
+            self._free(rid)
+        elif kind == REPLY:
+            fut = self._calls.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _free(self, rid: int) -> None:
+        sent = self._sent.pop(rid, None)
+        if sent is not None and self._inputs is not None:
+            for off in sent.blocks:
+                self._inputs.free(off)
+
+    def submit(self, rid: int, cfg: ModelConfig, received: float, request: InferRequest | None,
+               failure: Any) -> asyncio.Future:
+        """Send one request (its tensors through the shared area); the future gets its RESULT/ERROR message."""
+        entries, blocks, fields = [], [], None
+        if request is not None:
+            entries, blocks = pack_tensors(request.inputs, self._area, self._inputs)
+            fields = request_fields(request)
+        fut = asyncio.get_running_loop().create_future()
+        slot = self.index[(cfg.name, str(cfg.version))]
+        self._outstanding[slot] += 1
+        self._sent[rid] = _Sent(fut, slot, blocks)
+        self._channel.send((REQ, rid, cfg.name, str(cfg.version), received, fields, entries, failure))
+        return fut
+
+    def outputs(self, entries: list) -> dict[str, Any]:
+        """A RESULT's outputs, copied out of the shared area: encoding them (perhaps in a worker thread that
+        outlives a client that went away) never reads a block the engine process may reuse after ABORT/ACK."""
+        return unpack_tensors(entries, self._area, copy=True)
+
+    def abort(self, rid: int) -> None:
+        if self.connected:
+            self._channel.send((ABORT, rid))
+
+    def ack(self, rid: int, error: Any = None) -> None:
+        if self.connected:
+            self._channel.send((ACK, rid, error))
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A data-plane method in the engine process.
+
+        Raises:
+            the method's BatcherError (as :class:`RemoteError`); Unavailable: the engine process is down.
+        """
+        if not self.connected:
+            raise Unavailable(f"the {self.name} is not running; it is being restarted", retry_after_s=1)
+        cid = next(self._cids)
+        fut = self._calls[cid] = asyncio.get_running_loop().create_future()
+        self._channel.send((CALL, cid, method, args, kwargs))
+        _, _, ok, value = await fut
+        if not ok:
+            raise RemoteError(*value)
+        return value

@@ -1,0 +1,278 @@
+"""Multi-process mode's supervisor: ``batcher serve`` with ``server.frontends`` >= 1.
+
+It starts one engine process per device (:func:`batcher.topology.engine_devices`; :mod:`batcher.engine_proc`)
+and waits until each has loaded its models, then starts the front ends (:mod:`batcher.frontend`), which all
+listen on the server's port with ``SO_REUSEPORT`` (the supervisor holds the port bound, not listening, so that
+port 0 resolves once and no other program takes it meanwhile). Then it watches them:
+
+* a front end that dies is started again (its requests in progress are dropped and counted by the engines as
+  ``dropped``); an engine process that dies is started again after a backoff (0.1 s doubling up to 5 s while it
+  keeps dying), and until it is back its front ends answer 503 for its models; each restart counts in
+  ``batcher_process_restart_total{process}``;
+* SIGTERM: the front ends drain (readiness false, new requests 503 + Retry-After, every accepted request
+  answered, at most ``server.shutdown_grace_s``) and exit; then the engine processes release their models and
+  exit; exit code 0. SIGINT stops every process at once.
+
+Metrics: ``PROMETHEUS_MULTIPROC_DIR`` is a fresh folder under the supervisor's private runtime folder (with the
+engines' sockets), set before any process imports prometheus-client, marked for each dead process
+(``mark_process_dead``) and removed at exit. Children die with the supervisor (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .cli import bind_socket
+from .config import Config
+from .errors import ConfigError
+from .topology import device_name, engine_devices
+
+log = logging.getLogger("batcher")
+
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 5.0
+#: a process that lived at least this long before dying restarts without backoff.
+STABLE_S = 10.0
+#: seconds the supervisor waits for processes to exit after the front ends' drain before killing them.
+EXIT_WAIT_S = 30.0
+_LOG_FORMAT = "%(asctime)s %(levelname)s {role}%(name)s: %(message)s"
+
+
+def setup_logging(level: str, role: str = "") -> None:
+    """The server's log format; children name themselves (``[frontend 1] ``)."""
+    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT.format(role=role), stream=sys.stderr, force=True)
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """A new event loop of ``server.event_loop``'s kind (``"asyncio"`` or ``"uvloop"``).
+
+    Raises:
+        ConfigError: uvloop is asked for and not installed.
+    """
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            raise ConfigError('server.event_loop: uvloop is not installed (pip install -e ".[uvloop]")') from None
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run(coro: Any, kind: str) -> Any:
+    """Run ``coro`` to its end on a new event loop of ``kind`` (:func:`new_event_loop`)."""
+    loop = new_event_loop(kind)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def child_setup(role: str, log_level: str) -> None:
+    """First thing in a child process: logging, and dying with the supervisor (``PR_SET_PDEATHSIG``)."""
+    setup_logging(log_level, f"[{role}] ")
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the supervisor died before prctl
+        sys.exit(1)
+
+
+class _Child:
+    """One supervised process: what it is, how to start it, its current process and restart backoff."""
+
+    def __init__(self, kind: str, name: str, target: Any, args: tuple) -> None:
+        self.kind, self.name, self.target, self.args = kind, name, target, args
+        self.process: mp.process.BaseProcess | None = None
+        self.ready: Any = None
+        self.started_at = 0.0
+        self.backoff = 0.0
+        self.restart_at: float | None = None
+        self.is_ready = False
+
+    def start(self, ctx: Any) -> None:
+        r, w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=self.target, args=(*self.args, w), name=self.name)
+        self.process.start()
+        w.close()
+        self.ready, self.is_ready, self.started_at, self.restart_at = r, False, time.monotonic(), None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.exitcode is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.kill(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Supervisor:
+    """Runs the processes of one multi-process server until SIGTERM/SIGINT (:meth:`run`)."""
+
+    def __init__(self, config: Config, frontends: int, access_log: bool = False) -> None:
+        self.config = config
+        self.server = config.server
+        self.dir = tempfile.mkdtemp(prefix="batcher-")
+        metrics_dir = os.path.join(self.dir, "metrics")
+        os.mkdir(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before this process or any child imports it
+        self.ctx = mp.get_context("spawn")
+        self.stopping: str | None = None  # "drain" (SIGTERM) or "now" (SIGINT)
+        self.announced = False
+        self.drain_deadline = 0.0
+        from .engine_proc import engine_main
+        from .frontend import frontend_main
+
+        self.paths = {d: os.path.join(self.dir, f"engine-{device_name(d)}.sock") for d in engine_devices(config)}
+        self.engines = [_Child("engine", f"engine-{device_name(d)}", engine_main,
+                               (config, d, self.paths[d], self.server.log_level)) for d in self.paths]
+        self.frontends = [_Child("frontend", f"frontend-{i}", frontend_main,
+                                 (config, i, self.paths, access_log, self.server.log_level))
+                          for i in range(frontends)]
+
+    # ---------------------------------------------------------------- signals
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and self.stopping is None:
+            log.info("SIGTERM: front ends drain (grace %.0f s), then the engine processes stop",
+                     self.server.shutdown_grace_s)
+            self.stopping = "drain"
+            self.drain_deadline = time.monotonic() + self.server.shutdown_grace_s + EXIT_WAIT_S
+            for c in self.frontends:
+                c.signal(signal.SIGTERM)
+            if not any(c.is_ready for c in self.frontends):  # still starting: nothing to drain
+                self.stopping = "now"
+        elif signum == signal.SIGINT:
+            self.stopping = "now"
+            for c in self.frontends + self.engines:
+                c.signal(signal.SIGINT)
+
+    # ---------------------------------------------------------------- running
+    def run(self) -> int:
+        """Start everything, supervise, stop; the exit code (0 clean, 1 port unusable, 2 a model failed to load)."""
+        from .metrics import ProcessMetrics
+
+        self.metrics = ProcessMetrics()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        log.info("multi-process mode: runtime folder %s (engine sockets, metrics)", self.dir)
+        try:
+            try:  # bound, not listening: port 0 resolves once, and no other program takes the port meanwhile
+                self.reservation = bind_socket(self.server.host, self.server.port, reuse_port=True)
+            except OSError as exc:
+                log.error("cannot serve on %s:%d: %s", self.server.host, self.server.port, exc.strerror or exc)
+                return 1
+            self.port = self.reservation.getsockname()[1]
+            for c in self.frontends:
+                c.args = (*c.args[:3], self.server.host, self.port, *c.args[3:])
+            code = self._start_engines()
+            if code or self.stopping:
+                return code
+            for c in self.frontends:
+                c.start(self.ctx)
+            self._supervise()
+            return 0
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            log.info("stopped")
+
+    def _start_engines(self) -> int:
+        for c in self.engines:
+            c.start(self.ctx)
+        while not all(c.is_ready for c in self.engines):
+            if self.stopping:
+                return 0
+            self._wait(1.0)
+            for c in self.engines:
+                if not c.is_ready and not c.alive:
+                    log.error("the %s process exited (code %s) before it was ready", c.name, c.process.exitcode)
+                    return 2
+        return 0
+
+    def _wait(self, timeout: float) -> None:
+        """Wait for a child to exit or report ready (or ``timeout``); take the readiness reports."""
+        waitables = [c.process.sentinel for c in self.engines + self.frontends if c.alive]
+        waitables += [c.ready for c in self.engines + self.frontends if c.alive and not c.is_ready]
+        try:
+            ready = mpc.wait(waitables, timeout)
+        except InterruptedError:
+            return
+        for c in self.engines + self.frontends:
+            if c.ready in ready:
+                try:
+                    kind, detail = c.ready.recv()
+                except (EOFError, OSError):
+                    continue
+                c.is_ready = kind == "ready"
+                if c.is_ready:
+                    self._on_ready(c)
+
+    def _on_ready(self, c: _Child) -> None:
+        log.info("%s ready (pid %d)", c.name, c.process.pid)
+        if not self.announced and all(f.is_ready for f in self.frontends):
+            self.announced = True
+            log.info("%d front end(s), engine processes for %s", len(self.frontends),
+                     ", ".join(e.name[7:] for e in self.engines))
+            host = f"[{self.server.host}]" if ":" in self.server.host else self.server.host
+            log.info("serving KServe v2 on http://%s:%d", host, self.port)  # the line single-process mode logs
+
+    def _supervise(self) -> None:
+        from prometheus_client import multiprocess
+
+        while self.stopping != "now":
+            if self.stopping == "drain" and not any(c.alive for c in self.frontends):
+                return
+            if self.stopping == "drain" and time.monotonic() > self.drain_deadline:
+                log.warning("front ends still running after the drain: stopping them")
+                return
+            self._wait(0.5)
+            now = time.monotonic()
+            for c in self.engines + self.frontends:
+                if c.process is not None and not c.alive and c.restart_at is None and self.stopping is None:
+                    multiprocess.mark_process_dead(c.process.pid)
+                    lived = now - c.started_at
+                    c.backoff = 0.0 if c.kind == "frontend" and lived > STABLE_S else (
+                        BACKOFF_FIRST_S if lived > STABLE_S or not c.backoff else min(BACKOFF_MAX_S, 2 * c.backoff))
+                    c.restart_at = now + c.backoff
+                    log.warning("the %s process (pid %d) died (exit code %s); starting it again in %.1f s",
+                                c.name, c.process.pid, c.process.exitcode, c.backoff)
+                if c.restart_at is not None and now >= c.restart_at and self.stopping is None:
+                    self.metrics.restart.labels(c.kind).inc()
+                    c.start(self.ctx)
+
+    def _stop_all(self) -> None:
+        """Front ends first (they may still drain), then the engine processes; kill what outlives the wait."""
+        for group in (self.frontends, self.engines):
+            for c in group:
+                c.signal(signal.SIGTERM if self.stopping != "now" else signal.SIGINT)
+            end = time.monotonic() + EXIT_WAIT_S
+            for c in group:
+                if c.process is not None:
+                    c.process.join(max(0.0, end - time.monotonic()))
+                    if c.alive:
+                        log.warning("the %s process did not exit: killing it", c.name)
+                        c.process.kill()
+                        c.process.join()
+        reservation = getattr(self, "reservation", None)
+        if reservation is not None:
+            reservation.close()
+
+
+def serve_multiprocess(config: Config, frontends: int, access_log: bool = False) -> int:
+    """``batcher serve`` in multi-process mode; returns the exit code."""
+    return Supervisor(config, frontends, access_log).run()

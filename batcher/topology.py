@@ -1,0 +1,165 @@
+"""Which process serves what: the serving mode, the engine processes and the queues a request may go to.
+
+Pure functions of the config, the same in every process of a server (the supervisor, each engine process and each
+front end compute the same answers).
+
+* Single-process mode (``server.frontends: 0``): one process does HTTP and runs every model; each model version
+  has one queue.
+* Multi-process mode (``server.frontends: N``, N >= 1): N front-end processes do HTTP, decoding and encoding; one
+  **engine process per GPU** that the config uses (``CUDA_VISIBLE_DEVICES`` pins it), plus one for the KIND_CPU
+  models if any, owns the queues, batchers and execution contexts placed on its device. A model version placed
+  on two GPUs (``instance_group: [{gpus: [0, 1]}]``, Triton's meaning: ``count`` contexts on each) has one queue
+  per GPU, each in its own engine process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import Config, ModelConfig
+
+#: front ends of the default (``frontends: null``) at most.
+MAX_DEFAULT_FRONTENDS = 8
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which container limits set), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_frontends(cores: int) -> int:
+    """``server.frontends: null``: 0 (single-process mode) on 2 cores or fewer, where one process does better
+    (README, "Serving modes": a second process only adds a hop on a busy machine), else the cores, at most
+    :data:`MAX_DEFAULT_FRONTENDS`."""
+    return 0 if cores <= 2 else min(cores, MAX_DEFAULT_FRONTENDS)
+
+
+def frontends(config: Config, cores: int | None = None) -> int:
+    """The number of front-end processes ``config`` asks for (0: single-process mode)."""
+    n = config.server.frontends
+    return default_frontends(usable_cores() if cores is None else cores) if n is None else n
+
+
+def model_devices(cfg: ModelConfig) -> list[int | None]:
+    """The devices of a model version's execution contexts, in order of first use: its GPUs, or ``[None]``."""
+    if cfg.device != "cuda":
+        return [None]
+    return list(dict.fromkeys(cfg.placements))
+
+
+def engine_devices(config: Config) -> list[int | None]:
+    """The engine processes of multi-process mode, one per device: the GPUs in increasing order, then None (the
+    CPU) if a model runs on the CPU."""
+    devices = {d for m in config.models for d in model_devices(m)}
+    return sorted(d for d in devices if d is not None) + ([None] if None in devices else [])
+
+
+def device_name(device: int | None) -> str:
+    return "cpu" if device is None else f"gpu{device}"
+
+
+def selected_versions(cfgs: list[ModelConfig]) -> set[int]:
+    """The versions of one model name that its ``version_policy`` (read from its highest version) serves."""
+    policy = max(cfgs, key=lambda c: c.version).version_policy
+    versions = sorted(c.version for c in cfgs)
+    if policy == "all":
+        return set(versions)
+    if hasattr(policy, "latest"):
+        return set(versions[-policy.latest:])
+    return set(policy.specific) & set(versions)
+
+
+def engine_config(config: Config, device: int | None) -> Config:
+    """The config of the engine process serving ``device``: every version of each model with a version placed
+    there (so the version policy reads as configured), entries unchanged (metadata and ``/config`` show every
+    instance group); it serves the versions :func:`placed_on` names and creates the contexts :func:`contexts_on`
+    counts. A ``fallback`` to a model the engine process does not have is dropped (a fallback works within one
+    engine process)."""
+    names = {m.name for m in config.models if device in model_devices(m)}
+    models = [m if m.fallback is None or m.fallback in names else m.model_copy(
+        update={"fallback": None, "fallback_queue_depth": None}) for m in config.models if m.name in names]
+    return config.model_copy(update={"models": models})
+
+
+def placed_on(device: int | None):
+    """Whether a model version has contexts on ``device`` (the repository's ``serves`` in an engine process)."""
+    return lambda cfg: device in model_devices(cfg)
+
+
+def engine_slots(config: Config, device: int | None) -> list[tuple[str, str]]:
+    """(name, version) of the model versions the engine process of ``device`` serves (selected and placed
+    there), in config order: the order of its status area, which front ends read."""
+    by_name: dict[str, list[ModelConfig]] = {}
+    for m in config.models:
+        by_name.setdefault(m.name, []).append(m)
+    return [(m.name, str(m.version)) for m in config.models
+            if device in model_devices(m) and m.version in selected_versions(by_name[m.name])]
+
+
+def contexts_on(cfg: ModelConfig, device: int | None) -> int:
+    """How many execution contexts of ``cfg`` run on ``device``."""
+    if device is None:
+        return cfg.instances if cfg.device != "cuda" else 0
+    return sum(1 for d in cfg.placements if d == device) if cfg.device == "cuda" else 0
+
+
+def weight(cfg: ModelConfig, device: int | None = None) -> float:
+    """``routing.strategy: weighted``: the share of a model version on ``device`` (the sum of the ``weight`` of its
+    instance groups there, 1 for a group that sets none); ``device`` None on a GPU model: on all its GPUs."""
+    total = 0.0
+    for g in cfg.instance_group:
+        w = 1 if g.weight is None else g.weight
+        if cfg.device != "cuda":
+            total += w
+        else:
+            gpus = g.gpus or [0]
+            total += w * (len(gpus) if device is None else gpus.count(device))
+    return total
+
+
+def single_process_problem(config: Config) -> str | None:
+    """Why ``config`` cannot run in single-process mode, or None: a model placed on several GPUs needs one engine
+    process per GPU."""
+    for i, m in enumerate(config.models):
+        if len(model_devices(m)) > 1:
+            return (f"models[{i}] ({m.name}) is placed on GPUs {model_devices(m)}: serving a model on several GPUs "
+                    "needs multi-process mode (server.frontends >= 1: one engine process per GPU)")
+    return None
+
+
+class DeviceOrder:
+    """How the engine process of GPU ``device`` sees the GPUs: ``CUDA_VISIBLE_DEVICES`` lists that GPU first (so
+    every backend's device 0 is the one it serves: the process is pinned to it) and the others after it (so a
+    client's CUDA shared-memory region on another GPU can still be opened). ``local``/``client`` translate device
+    ids between the numbering clients and the config use (the server's, ``parent``: its own
+    ``CUDA_VISIBLE_DEVICES`` or, unset, GPUs ``0..max(gpus)``) and the engine process's.
+
+    Args:
+        device: the engine's GPU, or None (the CPU engine: nothing changes).
+        gpus: the GPUs the config uses.
+        parent: the server's ``CUDA_VISIBLE_DEVICES``, if set.
+    """
+
+    def __init__(self, device: int | None, gpus: list[int], parent: str | None = None) -> None:
+        self.entries = [e.strip() for e in parent.split(",")] if parent else [str(i) for i in range(max(gpus) + 1)]
+        if device is None or device >= len(self.entries):
+            self.order = list(self.entries)
+        else:
+            self.order = [self.entries[device]] + [e for i, e in enumerate(self.entries) if i != device]
+        self.pinned = device is not None and device < len(self.entries)
+
+    @property
+    def visible(self) -> str:
+        """This engine process's ``CUDA_VISIBLE_DEVICES``."""
+        return ",".join(self.order)
+
+    def local(self, client: int) -> int:
+        """The engine process's id of the client's device ``client`` (unknown ids unchanged)."""
+        return self.order.index(self.entries[client]) if 0 <= client < len(self.entries) else client
+
+    def client(self, local: int) -> int:
+        """The client's id of the engine process's device ``local``."""
+        return self.entries.index(self.order[local]) if 0 <= local < len(self.order) else local

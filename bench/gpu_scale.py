@@ -1,0 +1,86 @@
+"""Issue 10 on a GPU machine: front-end processes, shared memory, retention, two GPUs; resnet18 through HTTP.
+
+Run on a machine with an NVIDIA GPU, onnxruntime-gpu, cuda-python and uvloop (extras gpu, uvloop)::
+
+    python -m bench.gpu_scale --out bench/results/gpu_scale --parts r,n        # about 6 minutes on an H200
+    python -m bench.gpu_scale --out bench/results/gpu_scale --parts r,m,t      # about 5 minutes
+    python -m bench.gpu_scale --out bench/results/gpu_scale --parts r,g        # on a machine with two GPUs
+
+Every step starts a real ``batcher serve`` (resnet18, ``--instances`` contexts per GPU, the GPU issue's allowed
+batch sizes 1,2,4,8,16,32 and ``--precision``, ``--delay-us`` batch window) and drives it with the toolkit's
+closed-loop driver (:func:`bench.sweep.run.run_sweep`) in ``--client-processes`` processes on the same machine,
+one image per request, binary tensors; each row has the throughput, p50/p99, the batch size formed, the server's
+CPU per request (all its processes) and the ratio to the raw engine's rows/s at that batch size (part r, same run).
+
+* (r) ``gpu_a_raw``: the raw engine (bench.gpu_bench's part a) at ``--precision``: the reference of the ratios;
+* (n) ``scale_n_frontends``: throughput at saturation (``--clients``) for ``--frontends`` (0: single-process
+  mode; default 0,1,2,4,8), the curve the issue asks for;
+* (m) ``scale_m_shm``: the input in system shared memory (Triton's extension, one registered segment) against
+  binary HTTP, at the largest number of front ends;
+* (t) ``scale_t_retention``: two copies of the model served together, ``--retention-clients`` each (seed 002's
+  measure: 16), alone then together: what each keeps, and the seed's ratio;
+* (g) ``scale_g_gpus``: ``gpus: [0]`` against ``gpus: [0, 1]`` (one engine process and queue per GPU), twice the
+  clients on two; skipped on a machine with one GPU.
+
+Progress lines are flushed as each step ends; each part writes ``OUT/<part>.csv``, ``.md`` (and ``.png``) when it
+ends. ``--device cpu`` runs the parts on the CPU provider with tiny settings: a dry run of the code, not a
+measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from bench.gpubench.common import add_load_arguments, chosen_parts, say
+from bench.scripts import script_parser
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = script_parser("bench.gpu_scale", __doc__)
+    p.add_argument("--out", type=Path, default=Path("bench/results/gpu_scale"), help="folder for CSV, tables, PNG")
+    p.add_argument("--parts", default="r,n,m,t,g", help="which parts: r (raw engine), n, m, t, g")
+    p.add_argument("--model", default="resnet18", help="zoo model (default: resnet18)")
+    p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"], help="GPU precision")
+    p.add_argument("--instances", type=int, default=1, help="execution contexts per GPU (default: 1)")
+    p.add_argument("--frontends", type=_ints, default=[0, 1, 2, 4, 8], help="(n): front ends to try; 0: one process")
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="uvloop", help="server.event_loop")
+    p.add_argument("--buffer-mb", type=int, default=256, help="server.frontend_buffer_mb (per front end x engine)")
+    p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")
+    p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step")
+    p.add_argument("--raw-seconds", type=float, default=0.5, help="(r): seconds per batch size")
+    add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
+    args = p.parse_args(argv)
+    parts = chosen_parts(p, args.parts, "r,n,m,t,g")
+    args.kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
+    if args.device == "cpu":
+        args.precision = "fp32"
+
+    run_parts(parts, args)
+    return 0
+
+
+def run_parts(parts: set[str], args) -> None:
+    """The raw engine (always: the ratios' reference), then each part asked for, in order."""
+    from bench.gpubench import scale
+    from bench.gpubench.raw import part_a
+
+    t0 = time.perf_counter()
+    say(f"== (r) raw engine: {args.model} {args.precision}")
+    raw = part_a([args.model], [args.precision], args.device, args.raw_seconds, args.out)
+    for key, title, fn in (("n", "front ends", scale.part_frontends), ("m", "system shared memory", scale.part_shm),
+                           ("t", "retention", scale.part_retention), ("g", "two GPUs", scale.part_gpus)):
+        if key in parts:
+            say(f"== ({key}) {title} ({time.perf_counter() - t0:.0f} s)")
+            fn(raw, args, args.out)
+    say(f"\nparts {','.join(sorted(parts))} done in {time.perf_counter() - t0:.0f} s; results in {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The parts of ``bench.gpu_scale`` (issue 10 on a GPU machine): a real ``batcher serve`` per step, resnet18 at the
+GPU issue's allowed batch sizes and precision, binary HTTP (or system shared memory) from the toolkit's
+closed-loop driver in client processes on the same machine, each step's ratio to the raw engine's rows/s at the
+batch size it formed (part r of the same run)."""
+
+from __future__ import annotations
+
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.peers import cpu_delta, tree_cpu_seconds
+from bench.server import ServerProcess
+from bench.sweep.requests import build_request
+from bench.sweep.run import SweepConfig, run_sweep
+
+from .common import SIZES, finish, images, line_plot, raw_at, say
+
+MiB = 1 << 20
+
+
+def model_entry(name: str, args, gpus: list[int] | None = None) -> dict:
+    """A resnet18 entry: ``args.instances`` contexts on each of ``gpus`` (default: GPU 0), the allowed batch sizes
+    and precision of the GPU issue (``allowed_batch_sizes``, ``precision``), a deep queue."""
+    group = {"count": args.instances, "kind": args.kind}
+    if args.kind == "KIND_GPU":
+        group["gpus"] = gpus or [0]
+    entry = {"name": name, "path": f"zoo:{args.model}", "instance_group": [group], "max_batch_size": max(SIZES),
+             "allowed_batch_sizes": list(SIZES),
+             "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us,
+                                  "default_queue_policy": {"max_queue_size": 16384}}}
+    if args.kind == "KIND_GPU":
+        entry["precision"] = args.precision
+    return entry
+
+
+def server_config(models: list[dict], frontends: int, args, shm: bool = False) -> dict:
+    server = {"frontends": frontends, "event_loop": args.event_loop, "log_level": "warning",
+              "frontend_buffer_mb": args.buffer_mb}
+    if shm:
+        server["shared_memory"] = {"system": True}
+    return {"server": server, "models": models}
+
+
+def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str], clients: int, args) -> dict:
+    """One closed-loop step of ``clients`` over ``args.client_processes`` processes; the toolkit's row plus the
+    server's CPU (every process) per request."""
+    cfg = SweepConfig(url=server.url, model=model, mode="closed", concurrency=[clients], duration=args.duration,
+                      warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
+                      metrics_url=server.base + "/metrics")
+    cpu0 = tree_cpu_seconds(server.proc.pid)
+    row = run_sweep(cfg, body, headers)[0]
+    cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
+    row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
+    return row
+
+
+def summary(row: dict, raw: list[dict], args, **keys) -> dict:
+    """The columns a part reports for one step."""
+    batch = float(row.get("avg_batch_size") or 0.0)
+    ref = raw_at(raw, args.model, args.precision, batch)
+    return {**keys, "qps": round(float(row["achieved_qps"]), 1), "p50_ms": round(float(row["p50_ms"]), 2),
+            "p99_ms": round(float(row["p99_ms"]), 2), "avg_batch": round(batch, 2), "errors": row["errors"],
+            "server_cpu_ms_per_request": round(row["server_cpu_ms_per_request"], 3),
+            "raw_rows_per_s_at_batch": round(ref, 1) if ref else None,
+            "over_raw": round(float(row["achieved_qps"]) / ref, 3) if ref else None}
+
+
+def binary_request() -> tuple[bytes, dict[str, str]]:
+    return build_request([("input", "FP32", images(1, seed=2))])
+
+
+def part_frontends(raw: list[dict], args, out: Path) -> list[dict]:
+    """(n) throughput at saturation for each number of front ends (0: single-process mode)."""
+    rows: list[dict] = []
+    body, headers = binary_request()
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.frontends:
+            cfg = server_config([model_entry(args.model, args)], n, args)
+            with ServerProcess(cfg, Path(tmp), name=f"frontends-{n}", timeout_s=600) as server:
+                rows.append(summary(load(server, args.model, body, headers, args.clients, args), raw, args,
+                                    frontends=n, transport="binary"))
+            say(f"  (n) {rows[-1]}")
+
+    def plot(png: Path) -> None:
+        line_plot(png, f"(n) {args.model}: requests/s at saturation by front ends", "front ends (0: one process)",
+                  "requests/s (1 row each)", {"binary HTTP": ([r["frontends"] for r in rows], [r["qps"] for r in rows]),
+                                               "raw engine at the formed batch": (
+                                                   [r["frontends"] for r in rows],
+                                                   [r["raw_rows_per_s_at_batch"] or 0 for r in rows])})
+
+    finish(out, "scale_n_frontends", f"(n) {args.model} at saturation ({args.clients} clients) by front ends", rows,
+           plot)
+    return rows
+
+
+def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
+    """(m) the input in system shared memory (one read-only segment every request names; outputs binary), against
+    binary HTTP, at the largest number of front ends of --frontends."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    import numpy as np
+    import orjson
+
+    n = max(args.frontends)
+    x = images(1, seed=2)
+    region = "scale-input"
+    segment = SharedMemory(name=f"trtb-scale-{id(args)}", create=True, size=x.nbytes)  # a POSIX segment, /dev/shm
+    key = "/" + segment.name
+    rows: list[dict] = []
+    try:
+        np.ndarray(x.shape, x.dtype, buffer=segment.buf)[...] = x
+
+        body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "parameters": {
+            "shared_memory_region": region, "shared_memory_byte_size": x.nbytes}}],
+            "parameters": {"binary_data_output": True}})
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = server_config([model_entry(args.model, args)], n, args, shm=True)
+            with ServerProcess(cfg, Path(tmp), name="shm", timeout_s=600) as server:
+                import urllib.request
+
+                reg = orjson.dumps({"key": key, "offset": 0, "byte_size": x.nbytes})
+                urllib.request.urlopen(urllib.request.Request(
+                    f"{server.base}/v2/systemsharedmemory/region/{region}/register", data=reg), timeout=60).read()
+                for transport, (b, h) in (("binary", binary_request()),
+                                          ("system shm", (body, {"Content-Type": "application/json"}))):
+                    rows.append(summary(load(server, args.model, b, h, args.clients, args), raw, args,
+                                        frontends=n, transport=transport))
+                    say(f"  (m) {rows[-1]}")
+    finally:
+        segment.close()
+        segment.unlink()
+    finish(out, "scale_m_shm", f"(m) {args.model}: binary HTTP against system shared memory ({n} front ends)", rows)
+    return rows
+
+
+def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
+    """(t) seed 002's retention: two copies of the model served together, ``--retention-clients`` clients each,
+    alone and then both at once; each keeps ``together / alone`` of its throughput, and the seed's ratio is the
+    sum together over the sum alone."""
+    n = max(args.frontends)
+    body, headers = binary_request()
+    names = ("a", "b")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = server_config([model_entry(name, args) for name in names], n, args)
+        with ServerProcess(cfg, Path(tmp), name="retention", timeout_s=600) as server:
+            alone = {m: load(server, m, body, headers, args.retention_clients, args) for m in names}
+            say(f"  (t) alone: { {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
+            with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
+                together = dict(zip(names, pool.map(
+                    lambda m: load(server, m, body, headers, args.retention_clients, args), names)))
+    rows = []
+    for m in names:
+        a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
+        rows.append({"model": m, "clients": args.retention_clients, "frontends": n, "alone_qps": round(a, 1),
+                     "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
+                     "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
+                     "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2)})
+    total_alone = sum(r["alone_qps"] for r in rows)
+    rows.append({"model": "sum (seed's ratio)", "clients": args.retention_clients, "frontends": n,
+                 "alone_qps": round(total_alone, 1), "together_qps": round(sum(r["together_qps"] for r in rows), 1),
+                 "kept": round(sum(r["together_qps"] for r in rows) / total_alone, 3) if total_alone else None})
+    finish(out, "scale_t_retention", "(t) retention: two models served together against alone", rows)
+    return rows
+
+
+def part_gpus(raw: list[dict], args, out: Path) -> list[dict]:
+    """(g) the same model on one GPU and on two (``gpus: [0, 1]``: one engine process and one queue per GPU)."""
+    from engines.cuda import device_count
+
+    if args.kind == "KIND_GPU" and device_count() < 2:
+        say("  (g) skipped: this machine has one GPU")
+        return []
+    n = max(args.frontends)
+    body, headers = binary_request()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for gpus in ([0], [0, 1]):
+            cfg = server_config([model_entry(args.model, args, gpus)], n, args)
+            with ServerProcess(cfg, Path(tmp), name=f"gpus-{len(gpus)}", timeout_s=600) as server:
+                rows.append(summary(load(server, args.model, body, headers, args.clients * len(gpus), args), raw,
+                                    args, gpus=len(gpus), frontends=n))
+            say(f"  (g) {rows[-1]}")
+    rows[-1]["over_one_gpu"] = round(rows[-1]["qps"] / rows[0]["qps"], 3) if rows[0]["qps"] else None
+    finish(out, "scale_g_gpus", f"(g) {args.model} on one GPU and on two ({n} front ends)", rows)
+    return rows

@@ -1,0 +1,286 @@
+"""Multi-process mode with real processes: the same answers as single-process mode on the zoo models, a front end
+or an engine process killed with kill -9, the SIGTERM drain across processes, nothing left in /dev/shm.
+
+Which front end holds a client's connection is the kernel's choice (SO_REUSEPORT); the tests find it from
+/proc (the socket's inode in /proc/net/tcp, then the process holding that inode) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import time
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+from test_server import BAD_REQUESTS, MODELS
+
+from bench.peers import descendants
+from bench.server import ServerProcess
+
+MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
+
+
+def _binary(x: np.ndarray, **parameters) -> dict:
+    head = orjson.dumps({"id": "r1", "inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                                  "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True, **parameters}})
+    return {"data": head + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(head))}}
+
+
+def _shared_memory(server) -> tuple[set[str], int]:
+    """What the server's processes hold of /dev/shm (files mapped or open; nothing, so nothing can be left there
+    however a process ends) and how many memfd areas they map (the shared memory they do use has no name)."""
+    named, memfd = set(), 0
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        named |= {ln.split(None, 5)[-1] for ln in maps.splitlines() if "/dev/shm/" in ln}
+        named |= {t for t in fds if t.startswith("/dev/shm/")}
+        memfd += maps.count("/memfd:batcher-area")
+    return named, memfd
+
+
+def _wait_log(server, pattern: str, count: int = 1, timeout_s: float = 60.0) -> list[str]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        found = re.findall(pattern, server.log())
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{pattern!r} not logged {count} time(s):\n{server.log()[-3000:]}")
+
+
+class Connection:
+    """A client session with exactly one keep-alive connection, and the local port it uses (to find its owner)."""
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+        def factory(addr_info):
+            sock = socket.socket(addr_info[0], addr_info[1], addr_info[2])
+            self.sockets.append(sock)
+            return sock
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, socket_factory=factory))
+
+    async def open(self, server) -> int:
+        """Connect (a GET of /v2/health/live); the pid of the process holding the server side."""
+        async with self.session.get(f"{server.base}/v2/health/live") as r:
+            assert r.status == 200
+        return _owner(server, self.sockets[-1].getsockname()[1])
+
+
+async def _queued(server, n: int) -> bool:
+    """Whether mid_cnn's queue reaches ``n`` requests within 5 s."""
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        if await asyncio.to_thread(server.metric, "batcher_queue_depth", model="mid_cnn", version="1") == n:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def _owner(server, client_port: int) -> int:
+    """The pid of the process holding the server side of the connection from ``client_port`` (/proc)."""
+    local = f"0100007F:{server.port:04X}"
+    remote = f"0100007F:{client_port:04X}"
+    with open("/proc/net/tcp") as f:
+        inode = next(line.split()[9] for line in f if line.split()[1:3] == [local, remote])
+    for pid in descendants(server.proc.pid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                pass
+    raise AssertionError(f"no process holds the connection from port {client_port}")
+
+
+@pytest.fixture(scope="module")
+def multi_server(tmp_path_factory, cache_dir):
+    """The embedded default config (the six zoo models) in multi-process mode: two front ends, one engine, on
+    uvloop's event loop (``server.event_loop``)."""
+    server_cfg = {**_default_config()["server"], "frontends": 2, "event_loop": "uvloop"}
+    with ServerProcess({**_default_config(), "server": server_cfg},
+                       tmp_path_factory.mktemp("multi"), name="multi") as server:
+        _wait_log(server, r"serving KServe v2")
+        yield server
+
+
+def _default_config() -> dict:
+    import yaml
+
+    from batcher.config import default_config_text
+
+    return yaml.safe_load(default_config_text())
+
+
+async def _exchange(base: str, method: str, path: str, **kwargs) -> tuple[int, str | None, str | None, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, base + path, **kwargs) as r:
+            return r.status, r.headers.get("Content-Type"), r.headers.get("Inference-Header-Content-Length"), \
+                await r.read()
+
+
+async def test_multi_process_mode_answers_exactly_as_single_process_mode(default_server, multi_server):
+    """Byte for byte: inference on every zoo model (JSON and binary tensors), every documented bad request,
+    metadata, model config, readiness; and the counts of the multi-process server match what was sent."""
+    rng = np.random.default_rng(3)
+    cases = [("GET", "/v2", {}), ("GET", "/v2/health/ready", {}), ("GET", "/v2/models/nope/config", {}),
+             ("POST", "/v2/models/tiny_cnn/versions/7/infer", {"json": {}})]
+    sent = {m: 0 for m in MODELS}
+    for model, (name, shape) in MODELS.items():
+        x = rng.random(shape, dtype=np.float32)
+        json_body = {"id": "j", "inputs": [{"name": name, "datatype": "FP32", "shape": list(shape),
+                                            "data": x.ravel().tolist()}]}
+        head = orjson.dumps({"id": "b", "inputs": [{"name": name, "datatype": "FP32", "shape": list(shape),
+                                                      "parameters": {"binary_data_size": x.nbytes}}],
+                             "parameters": {"binary_data_output": True}})
+        binary = {"data": head + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(head))}}
+        cases += [("POST", f"/v2/models/{model}/infer", {"json": json_body}),
+                  ("POST", f"/v2/models/{model}/infer", binary),
+                  ("GET", f"/v2/models/{model}", {}), ("GET", f"/v2/models/{model}/config", {}),
+                  ("GET", f"/v2/models/{model}/ready", {})]
+        sent[model] += 2
+    cases += [("POST", f"/v2/models/{model}/infer", kwargs) for _, model, kwargs, _, _ in BAD_REQUESTS]
+    for method, path, kwargs in cases:  # one at a time: the same batches on both servers
+        single = await _exchange(default_server.base, method, path, **kwargs)
+        multi = await _exchange(multi_server.base, method, path, **kwargs)
+        assert multi == single, (method, path)
+    invalid = {m: sum(1 for _, model, _, status, _ in BAD_REQUESTS if model == m and status == 400) for m in MODELS}
+    for model in MODELS:
+        labels = {"model": model, "version": "1"}
+        assert multi_server.metric("batcher_request_success_total", **labels) == sent[model]
+        assert multi_server.metric("batcher_request_failure_total", reason="invalid", **labels) == invalid[model]
+        status, _, _, body = await _exchange(multi_server.base, "GET", f"/v2/models/{model}/stats")
+        stats = orjson.loads(body)["model_stats"][0]["inference_stats"]
+        assert (stats["success"]["count"], stats["fail"]["count"]) == (sent[model], invalid[model])
+
+
+async def test_kill_9_of_a_front_end_loses_only_its_requests_and_of_the_engine_answers_503_until_it_is_back(
+        start_server):
+    server = start_server({"server": {"frontends": 2}, "models": [MID, {"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]})
+    _wait_log(server, r"serving KServe v2")
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    conns: list[Connection] = []
+    owners: list[int] = []
+    try:
+        while len(set(owners)) < 2 and len(conns) < 30:  # connections until both front ends hold some
+            conns.append(Connection())
+            owners.append(await conns[-1].open(server))
+        sessions = [c.session for c in conns]
+        victim, survivor = owners[0], next(o for o in owners if o != owners[0])
+
+        async def post(s, rows):
+            async with s.post(url, **_binary(np.ones((rows, 3, 224, 224), np.float32))) as r:
+                await r.read()
+                return r.status
+
+        blocker = asyncio.create_task(post(sessions[owners.index(survivor)], 8))  # ~0.5 s executing
+        await asyncio.sleep(0.15)
+        others = [i for i in range(len(sessions)) if i != owners.index(survivor)]
+        queued = {i: asyncio.create_task(post(sessions[i], 1)) for i in others}
+        assert await _queued(server, len(queued))  # every request is in the engine's queue
+        named, areas = _shared_memory(server)
+        assert named == set() and areas >= 4  # 2 front ends x 1 engine, each side mapping the area
+        os.kill(victim, signal.SIGKILL)
+        results = {i: r for i, r in zip(queued, await asyncio.gather(*queued.values(), return_exceptions=True))}
+        assert await blocker == 200
+        lost = [i for i, r in results.items() if isinstance(r, aiohttp.ClientError)]
+        assert sorted(lost) == [i for i in others if owners[i] == victim]
+        assert all(results[i] == 200 for i in others if owners[i] != victim)
+        labels = {"model": "mid_cnn", "version": "1"}
+        assert server.metric("batcher_request_failure_total", reason="dropped", **labels) == len(lost)
+        _wait_log(server, r"frontend-\d ready", count=3)  # started again
+        assert server.metric("batcher_process_restart_total", process="frontend") == 1
+        assert all(st == 200 for st in await asyncio.gather(*(post(s, 1) for s in sessions[1:])))
+
+        engine_pid = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+        blocker = asyncio.create_task(post(sessions[0], 8))
+        await asyncio.sleep(0.15)
+        os.kill(engine_pid, signal.SIGKILL)
+        assert await blocker == 503  # its request was lost with it
+        async with sessions[1].post(f"{server.base}/v2/models/tiny_cnn/infer",
+                                    **_binary(np.ones((1, 3, 224, 224), np.float32))) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"  # until it is back
+        _wait_log(server, r"engine-cpu ready", count=2)
+        for _ in range(100):
+            async with sessions[1].get(f"{server.base}/v2/health/ready") as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+        assert await post(sessions[1], 1) == 200
+        assert server.metric("batcher_process_restart_total", process="engine") == 1
+        assert server.metric("batcher_request_failure_total", reason="dropped", **labels) == len(lost)  # kept
+    finally:
+        for c in conns:
+            await c.session.close()
+    folder = _wait_log(server, r"runtime folder (\S+)")[0]
+    assert _shared_memory(server)[0] == set()
+    assert server.stop() == 0
+    assert not os.path.exists(folder)
+    assert "Traceback" not in server.log()
+
+
+async def test_sigterm_drains_every_accepted_request_across_processes(start_server):
+    server = start_server({"server": {"frontends": 2, "shutdown_grace_s": 20}, "models": [MID]})
+    _wait_log(server, r"serving KServe v2")
+    url = f"{server.base}/v2/models/mid_cnn/infer"
+    conns = [Connection() for _ in range(6)]
+    sessions = [c.session for c in conns]
+    owners = []
+    try:
+        for c in conns:
+            owners.append(await c.open(server))
+        for _ in range(40):  # an idle connection to the front end of the slow request (it drains longest)
+            conns.append(Connection())
+            owners.append(await conns[-1].open(server))
+            if owners[-1] == owners[0]:
+                break
+        probe = conns[-1].session
+
+        async def post(s, rows):
+            async with s.post(url, **_binary(np.ones((rows, 3, 224, 224), np.float32))) as r:
+                return r.status, await r.read()
+
+        tasks = [asyncio.create_task(post(sessions[0], 8))]  # ~0.5 s executing
+        await asyncio.sleep(0.15)
+        tasks += [asyncio.create_task(post(s, 1)) for s in sessions[1:]]
+        assert await _queued(server, 5)
+        assert _shared_memory(server)[0] == set()
+        server.proc.terminate()
+        await asyncio.sleep(0.2)
+        status, body = await post(probe, 1)  # a new request while draining: refused; readiness false
+        assert status == 503 and b"shutting down" in body
+        async with probe.get(f"{server.base}/v2/health/ready") as r:
+            assert r.status == 503
+        assert [st for st, _ in await asyncio.gather(*tasks)] == [200] * 6
+    finally:
+        for c in conns:
+            await c.session.close()
+    assert await asyncio.to_thread(server.proc.wait, 40) == 0
+    folder = _wait_log(server, r"runtime folder (\S+)")[0]
+    assert not os.path.exists(folder)
+    log = server.log()
+    assert "stopped" in log and "Traceback" not in log
+
+
+def test_a_model_on_several_gpus_needs_multi_process_mode(start_server, tmp_path):
+    with pytest.raises(RuntimeError) as exc:
+        start_server({"server": {"frontends": 0}, "models": [
+            {"name": "r", "path": "zoo:tiny_cnn", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}]}]})
+    assert "needs multi-process mode (server.frontends >= 1" in str(exc.value)

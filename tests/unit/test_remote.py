@@ -1,0 +1,275 @@
+"""Multi-process mode's data plane across a real Unix socket and real shared memory, with the engine side in this
+process (fake engines, tests/unit/fakes.py): what crosses the boundary, when input blocks are given back, what a
+lost front end or engine does, routing across GPUs, merged statistics. The processes themselves are tested in
+tests/integration/test_frontends.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_cuda import FakeCuda
+from fakes import FakeLoader, SleepExecutor
+
+import engines.cuda as cuda
+from batcher.config import parse_config
+from batcher.dataplane import DataPlane
+from batcher.engine_proc import EngineServer
+from batcher.errors import BatcherError, InvalidInput, Unavailable
+from batcher.frontend import RemoteDataPlane
+from batcher.metrics import Metrics
+from batcher.protocol import InferRequest, InferResponse
+from batcher.repository import ModelRepository
+from batcher.topology import device_name, engine_config, engine_devices, engine_slots, placed_on
+
+AREA_ROWS = 4096  # x FP32 [4096, 4] = 64 KiB: the smallest request that travels through the shared area
+
+
+class Engine:
+    """One engine process's parts, in this process: its data plane (fake model, batches 'take' 10 ms per row of
+    real time unless gated) and its server on a Unix socket."""
+
+    def __init__(self, config, device, path: str, seconds_per_row: float) -> None:
+        cfg = engine_config(config, device)
+        self.metrics = Metrics()
+        self.loader = FakeLoader()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.executors: list[SleepExecutor] = []
+
+        def executor(ctx, name):
+            ex = GatedExecutor(ctx, name, seconds_per_row, self.gate)
+            self.executors.append(ex)
+            return ex
+
+        repo = ModelRepository(cfg, self.metrics, loader=self.loader, serves=placed_on(device))
+        self.dataplane = DataPlane(cfg, self.metrics, repo, executor, deliver_checks_deadline=True)
+        self.server = EngineServer(self.dataplane, device, path, 1 << 20, engine_slots(config, device))
+
+    async def start(self) -> None:
+        await self.dataplane.start()
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.close()
+        await self.dataplane.close()
+
+    def count(self, model: str = "m", version: str = "1", reason: str | None = None) -> float:
+        labels = {"model": model, "version": version}
+        if reason is None:
+            return self.metrics.registry.get_sample_value("batcher_request_success_total", labels) or 0.0
+        return self.metrics.registry.get_sample_value("batcher_request_failure_total",
+                                                      {**labels, "reason": reason}) or 0.0
+
+    @property
+    def rows_run(self) -> int:
+        return sum(sum(ex.context.batches) for ex in self.executors)
+
+
+class GatedExecutor(SleepExecutor):
+    """SleepExecutor that also waits for ``gate`` before finishing a batch (the batch has read its inputs)."""
+
+    def __init__(self, context, name, seconds_per_row, gate: asyncio.Event) -> None:
+        super().__init__(context, name, seconds_per_row)
+        self.gate = gate
+
+    async def _run(self, fn, args):
+        result = await super()._run(fn, args)
+        await self.gate.wait()
+        return result
+
+
+@contextlib.asynccontextmanager
+async def served(models: list[dict], seconds_per_row: float = 0.0, **routing):
+    """Engine processes for ``models`` (one per device) and a front end's RemoteDataPlane connected to them."""
+    config = parse_config({"routing": routing, "models": [{"path": "unused.onnx", **m} for m in models]})
+    with tempfile.TemporaryDirectory() as tmp:
+        engines = {d: Engine(config, d, str(Path(tmp) / f"{device_name(d)}.sock"), seconds_per_row)
+                   for d in engine_devices(config)}
+        for e in engines.values():
+            await e.start()
+        remote = RemoteDataPlane(config, Metrics(), {d: e.server.path for d, e in engines.items()})
+        await remote.start()
+        try:
+            yield remote, engines
+        finally:
+            await remote.close()
+            for e in engines.values():
+                e.gate.set()
+                await e.stop()
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def request(n: int, value: float = 1.0, **kw) -> InferRequest:
+    return InferRequest({"x": np.full((n, 4), value, np.float32)}, **kw)
+
+
+def read(r: InferRequest | Exception):
+    async def _read():
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    return _read
+
+
+async def copy_out(response: InferResponse) -> tuple[str, str, np.ndarray]:
+    return response.model_name, response.model_version, response.outputs["y"].copy()
+
+
+def used(remote: RemoteDataPlane, i: int = 0) -> int:
+    return remote.links[i]._inputs.used_bytes
+
+
+async def eventually(condition, seconds: float = 3.0) -> bool:
+    """Whether ``condition()`` holds within ``seconds`` (messages between the two sides are asynchronous: the
+    engine counts an outcome when the front end's ACK arrives)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+async def test_a_request_crosses_through_the_shared_area_and_is_counted_once_by_the_engine():
+    async with served([{"name": "m", "max_batch_size": AREA_ROWS}]) as (remote, engines):
+        name, version, y = await remote.infer("m", None, now(), read(request(AREA_ROWS, 3.0)), copy_out)
+        assert (name, version) == ("m", "1")
+        np.testing.assert_array_equal(y, np.full((AREA_ROWS, 4), 6.0, np.float32))
+        engine = engines[None]
+        assert await eventually(lambda: engine.count() == 1)
+        assert engine.dataplane.repository.slot("m").stats.success.count == 1
+        assert used(remote) == 0  # its block went back with the answer
+        with pytest.raises(InvalidInput):  # read failed in the front end: sent anyway, counted by the engine
+            await remote.infer("m", None, now(), read(InvalidInput("bad body")), copy_out)
+        assert engine.count(reason="invalid") == 1 and engine.rows_run == AREA_ROWS
+
+
+async def test_an_input_block_is_reused_only_after_the_batch_reading_it_is_done():
+    """A request answered 504 while its batch executes: the batch still reads its inputs, so its block stays taken
+    until the batch ends (then RELEASE gives it back) - the bug of vLLM #24655 cannot happen."""
+    async with served([{"name": "m", "max_batch_size": AREA_ROWS,
+                        "dynamic_batching": {"admission_control": False}}]) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()
+        with pytest.raises(BatcherError) as exc:
+            await remote.infer("m", None, now(), read(request(AREA_ROWS, timeout_us=100_000)), copy_out)
+        assert exc.value.status == 504 and "while its batch was executing" in exc.value.message
+        assert used(remote) > 0  # answered, but the block is still the batch's
+        await asyncio.sleep(0.1)
+        assert used(remote) > 0
+        engine.gate.set()
+        assert await eventually(lambda: used(remote) == 0)
+        assert engine.count(reason="timeout") == 1
+
+
+async def test_a_client_that_goes_away_aborts_its_request_in_the_engine():
+    async with served([{"name": "m", "max_batch_size": AREA_ROWS}]) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()
+        busy = asyncio.create_task(remote.infer("m", None, now(), read(request(1)), copy_out))
+        await asyncio.sleep(0.05)  # executing, gated
+        quitter = asyncio.create_task(remote.infer("m", None, now(), read(request(AREA_ROWS)), copy_out))
+        await asyncio.sleep(0.05)  # queued behind it
+        quitter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await quitter
+        assert await eventually(lambda: engine.count(reason="canceled") == 1 and used(remote) == 0)
+        engine.gate.set()
+        await busy
+        assert engine.rows_run == 1  # the aborted request never ran
+
+
+async def test_a_lost_front_end_has_its_requests_dropped_and_counted():
+    async with served([{"name": "m", "max_batch_size": 64}]) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()
+        tasks = [asyncio.create_task(remote.infer("m", None, now(), read(request(1)), copy_out)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        remote.links[0]._channel._transport.abort()  # the front end's end of the socket goes, as when it dies
+        assert all(isinstance(r, Unavailable) for r in await asyncio.gather(*tasks, return_exceptions=True))
+        assert await eventually(lambda: engine.count(reason="dropped") == 3)
+        assert engine.count() == 0
+        engine.gate.set()
+        assert await eventually(lambda: remote.ready)  # the front end reconnects by itself
+        assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
+
+
+async def test_a_stopped_engine_makes_its_models_503_until_it_is_back():
+    async with served([{"name": "m"}]) as (remote, engines):
+        engine = engines[None]
+        await engine.server.close()  # the engine process is gone
+        assert await eventually(lambda: not remote.ready)
+        with pytest.raises(Unavailable) as exc:
+            await remote.infer("m", None, now(), read(request(1)), copy_out)
+        assert exc.value.retry_after_s == 1 and "not running" in exc.value.message
+        sample = remote.metrics.registry.get_sample_value
+        assert sample("batcher_request_failure_total", {"model": "m", "version": "1", "reason": "rejected"}) == 1
+        await engine.server.start()  # back (a new engine process listens on the same socket)
+        assert await eventually(lambda: remote.ready)
+        assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
+
+
+GPU_MODEL = {"name": "m", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}], "max_batch_size": 8}
+
+
+async def test_least_queue_sends_requests_to_the_gpu_with_less_work_waiting():
+    with cuda.use_runtime(FakeCuda().cudart):
+        async with served([GPU_MODEL]) as (remote, engines):
+            engines[0].gate.clear()
+            busy = [asyncio.create_task(remote.infer("m", None, now(), read(request(1)), copy_out))
+                    for _ in range(2)]  # GPU 0 (the first of equals) takes the first, then GPU 1 is less busy
+            await asyncio.sleep(0.05)
+            assert [e.server.counts[0] for e in engines.values()] == [1, 0]
+            for _ in range(4):  # GPU 0 holds one request that does not finish: everything else goes to GPU 1
+                await remote.infer("m", None, now(), read(request(1)), copy_out)
+            assert (engines[0].rows_run, engines[1].rows_run) == (1, 5)
+            engines[0].gate.set()
+            await asyncio.gather(*busy)
+
+
+async def test_weighted_splits_requests_between_gpus_by_instance_group_weight():
+    model = {**GPU_MODEL, "instance_group": [{"kind": "KIND_GPU", "gpus": [0], "weight": 3},
+                                             {"kind": "KIND_GPU", "gpus": [1], "weight": 1}]}
+    with cuda.use_runtime(FakeCuda().cudart):
+        async with served([model], strategy="weighted") as (remote, engines):
+            for _ in range(8):
+                await remote.infer("m", None, now(), read(request(1)), copy_out)
+            assert (engines[0].rows_run, engines[1].rows_run) == (6, 2)
+            stats = (await remote.statistics("m"))["model_stats"]
+            assert len(stats) == 1 and stats[0]["inference_stats"]["success"]["count"] == 8  # merged
+            assert stats[0]["inference_count"] == 8 and [b["batch_size"] for b in stats[0]["batch_stats"]] == [1]
+            index = await remote.repository_index()
+            assert [(e["name"], e["version"], e["state"]) for e in index] == [("m", "1", "READY")]
+            config = await remote.model_config("m")
+            assert [g.get("gpus") for g in config["instance_group"]] == [[0], [1]]
+
+
+async def test_each_gpu_engine_page_locks_each_front_ends_shared_area_and_unlocks_it_at_the_end():
+    fake = FakeCuda()
+    with cuda.use_runtime(fake.cudart):
+        async with served([GPU_MODEL]) as (remote, engines):
+            assert len(fake.gpu.registered) == 2  # one area per (front end, engine process), 1 MiB each
+            assert sorted(fake.gpu.registered.values()) == [1 << 20, 1 << 20]
+        assert fake.gpu.registered == {}
+
+
+async def test_canary_versions_split_by_weight_and_hash_sticks_by_key():
+    models = [{"name": "m", "instance_group": [{"weight": 3}]},
+              {"name": "m", "version": 2, "instance_group": [{"weight": 1}]}]
+    async with served(models, strategy="weighted") as (remote, _):
+        got = [(await remote.infer("m", None, now(), read(request(1)), copy_out))[1] for _ in range(8)]
+        assert got == ["1", "1", "2", "1", "1", "1", "2", "1"]
+        assert (await remote.infer("m", "2", now(), read(request(1)), copy_out))[1] == "2"  # named: no spreading
+    async with served(models, strategy="hash", hash_parameter="session") as (remote, _):
+        keyed = [(await remote.infer("m", None, now(), read(request(1, routing_key=f"s{i % 4}")), copy_out))[1]
+                 for i in range(12)]
+        assert keyed[:4] * 3 == keyed  # each key always to the same version
+        assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[1] == "2"  # no key: default
