@@ -14,7 +14,9 @@ Every second the server's resident memory and thread count are sampled. At the e
 * no lost responses: every request that was sent whole got exactly one HTTP response, with the status expected
   for its kind (200/503/504 for good ones, its own 4xx for each bad one); none raised a transport error;
 * resident memory: the highest sample of the last fifth of the run is within ``--rss-tolerance-mb`` of the highest
-  of the first fifth (after a warm-up), i.e. no growth;
+  of the first fifth (after a warm-up), i.e. no growth; and no upward trend: the Theil-Sen slope of the samples
+  after the first fifth, times that window, is at most a third of ``--rss-tolerance-mb``;
+* no 5xx: no response of the run has a 5xx status;
 * threads: at most 2 more in the last fifth than in the first (pools start threads lazily; a leak keeps
   growing with the requests); the server is live and its log has no traceback and no ERROR line.
 Exit 0 when all hold. Writes ``soak.csv`` (samples) and ``soak.json`` (summary).
@@ -181,6 +183,15 @@ async def soak(server: ServerProcess, duration: float, clients: int, warmup: flo
     return stats, samples
 
 
+def theil_sen_slope(xs: list[float], ys: list[float]) -> float:
+    """Theil-Sen estimate of the trend of ``ys`` against ``xs``: the median slope over every pair of points (robust
+    to samples pushed up or down by whatever else runs on the machine; Sen 1968)."""
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    i, j = np.triu_indices(len(x), k=1)
+    keep = x[j] != x[i]
+    return float(np.median((y[j] - y[i])[keep] / (x[j] - x[i])[keep])) if keep.any() else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.soak", __doc__)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of mixed load")
@@ -194,17 +205,26 @@ def main(argv: list[str] | None = None) -> int:
         live = server.metric("batcher_request_success_total", model="tiny_cnn", version="1") > 0
         log = server.log()
     fifth = max(1, len(samples) // 5)
+    steady = samples[fifth:]  # after the first fifth: pools and allocator caches have settled
+    slope = theil_sen_slope([s["t_s"] for s in steady], [s["rss_mb"] for s in steady])  # MB per second
+    window_s = steady[-1]["t_s"] - steady[0]["t_s"] if len(steady) > 1 else 0.0
     first, last = max(s["rss_mb"] for s in samples[:fifth]), max(s["rss_mb"] for s in samples[-fifth:])
     summary = {
         "duration_s": args.duration, "clients": args.clients, **{k: v for k, v in stats.items() if k != "errors"},
         "errors_sample": stats["errors"][:5], "rss_first_fifth_max_mb": first, "rss_last_fifth_max_mb": last,
-        "rss_growth_mb": round(last - first, 1), "threads_start": samples[0]["threads"],
+        "rss_growth_mb": round(last - first, 1), "rss_trend_mb_per_min": round(slope * 60, 3),
+        "rss_trend_over_run_mb": round(slope * window_s, 1),
+        "responses_5xx": sum(n for code, n in stats["status"].items() if code.startswith("5")), "threads_start": samples[0]["threads"],
         "threads_end": samples[-1]["threads"], "tracebacks_in_log": log.count("Traceback"),
         "error_lines_in_log": sum(" ERROR " in line for line in log.splitlines()),
     }
     checks = {
         "no lost responses": stats["lost"] == 0 and stats["answered"] == stats["sent"],
         "only expected statuses": stats["unexpected"] == 0,
+        "no 5xx": summary["responses_5xx"] == 0,
+        # a trend, not a level: the Theil-Sen slope of resident memory after the first fifth, times that window
+        f"resident memory trend over the run <= {args.rss_tolerance_mb / 3:g} MB":
+            slope * window_s <= args.rss_tolerance_mb / 3,
         f"resident memory growth <= {args.rss_tolerance_mb:g} MB": last - first <= args.rss_tolerance_mb,
         # thread pools start a few threads lazily (at most 2 here); a leak grows with the requests instead (one per
         # request or hang-up would add thousands)
