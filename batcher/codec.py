@@ -38,6 +38,7 @@ from engines.cuda import IPC_HANDLE_BYTES
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
 from .errors import InvalidInput
+from .json_tensors import LITERAL_RULES, json_literal, json_tensor  # LITERAL_RULES, json_tensor: re-exported
 from .protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -53,7 +54,7 @@ def _int_param(params: dict[str, Any], key: str, where: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {_literal(v)}")
+        raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {json_literal(v)}")
     return v
 
 
@@ -62,7 +63,7 @@ def _bool_param(params: dict[str, Any], key: str, where: str) -> bool | None:
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise InvalidInput(f"{where}.{key}: expected true or false, got {_literal(v)}")
+        raise InvalidInput(f"{where}.{key}: expected true or false, got {json_literal(v)}")
     return v
 
 
@@ -127,148 +128,6 @@ def encode_bytes_elements(arr: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def _limits(datatype: str, dtype: np.dtype) -> tuple[str, int | float, int | float]:
-    if datatype == "BOOL":
-        return "bool", 0, 1
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return "int", int(info.min), int(info.max)
-    top = float(np.finfo(dtype).max)
-    return "number", -top, top
-
-
-#: The JSON literal rules of every numeric datatype, one table for integer and float literals alike (after
-#: Triton's JSON parser): ``kind`` says which literals it takes - ``bool``: true/false only; ``int``: integer
-#: literals only (a float literal, 1.0 included, is refused: it need not be exact); ``number``: integer and float
-#: literals - and ``lo``/``hi`` bound the value, inclusive (integers: the type's range, exactly, whatever the
-#: literal's size; floats: the largest finite value, a literal that would round to infinity is out of range).
-#: true/false are not numbers: 400 for every type but BOOL.
-LITERAL_RULES: dict[str, tuple[str, int | float, int | float]] = {
-    name: _limits(name, dt) for name, dt in NUMPY_DTYPES.items() if name != "BYTES"}
-
-_KIND_WORD = {"bool": "true or false", "int": "integer literals", "number": "numbers"}
-
-
-def _literal(v: Any) -> str:
-    """A JSON value as the client wrote it (near enough: floats in Python's shortest repr), for messages."""
-    if isinstance(v, bool) or v is None:
-        return {True: "true", False: "false", None: "null"}[v]
-    if isinstance(v, (int, float)):
-        return repr(v)
-    text = orjson.dumps(v, default=str).decode()
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _flat(data: list) -> list:
-    """Row-major flattening of nested lists (leaves that are not lists kept as they are)."""
-    if not any(type(v) is list for v in data):
-        return data
-    out: list = []
-    for v in data:
-        out.extend(_flat(v) if type(v) is list else [v])
-    return out
-
-
-#: the array kinds numpy's type discovery gives for the literals each rule takes
-_DISCOVERED_KINDS = {"bool": "b", "int": "iu", "number": "iuf"}
-
-
-def _fast_numbers(data: list, datatype: str, dtype: np.dtype, where: str) -> np.ndarray | None:
-    """The fast path: numpy's own type discovery (one C loop), then range checks on the array; None where the
-    exact path must decide (a literal of another kind, out of range, or beyond what numpy holds exactly).
-
-    Raises:
-        InvalidInput: ragged nesting.
-    """
-    try:
-        arr = np.asarray(data)
-    except ValueError as exc:
-        raise InvalidInput(f"{where}: ragged nested list ({exc})") from None
-    kind, lo, hi = LITERAL_RULES[datatype]
-    if arr.dtype.kind not in _DISCOVERED_KINDS[kind] or (kind != "bool" and _hides_bool(data, arr)):
-        return None
-    if kind == "int" and arr.size and (arr.min() < lo or arr.max() > hi):
-        return None
-    with np.errstate(over="ignore"):
-        out = arr.astype(dtype, copy=False).ravel()
-    # JSON has no infinity: an inf after narrowing is a literal beyond the type's range
-    if kind == "number" and dtype.itemsize < arr.dtype.itemsize and np.isinf(out).any():
-        return None
-    return out
-
-
-def _hides_bool(data: list, arr: np.ndarray) -> bool:
-    """Whether a true/false is among the numbers: numpy's discovery reads them as 1 and 0, so only the elements
-    equal to 0 or 1 need a look at their type."""
-    idx = np.flatnonzero((arr == 0) | (arr == 1))
-    if not idx.size:
-        return False
-    flat = data if arr.ndim == 1 else np.asarray(data, dtype=object).ravel()
-    return any(type(flat[i]) is bool for i in idx.tolist())
-
-
-def _exact(flat: list, datatype: str, dtype: np.dtype, where: str) -> np.ndarray:
-    """The slow, exact path: check each literal against :data:`LITERAL_RULES` in Python numbers, then convert.
-
-    Raises:
-        InvalidInput: naming the first offending element, as the client sent it.
-    """
-    kind, lo, hi = LITERAL_RULES[datatype]
-    with np.errstate(over="ignore"):
-        _check_literals(flat, datatype, dtype, where, kind, lo, hi)
-    return np.array(flat, dtype=dtype)
-
-
-def _check_literals(flat: list, datatype: str, dtype: np.dtype, where: str, kind: str, lo: float, hi: float) -> None:
-    for i, v in enumerate(flat):
-        t = type(v)
-        ok = t is bool if kind == "bool" else t is int if kind == "int" else t is int or t is float
-        if kind == "int" and t is float and v.is_integer() and abs(v) >= 2**63:
-            # orjson reads an integer literal beyond 64 bits as a float
-            raise InvalidInput(f"{where}[{i}]: an integer literal beyond 64 bits (read as {v!r}) is out of "
-                               f"range for {datatype} ({lo} to {hi})")
-        if not ok:
-            raise InvalidInput(f"{where}[{i}]: {datatype} takes {_KIND_WORD[kind]}, got {_literal(v)}")
-        if kind != "bool":
-            try:
-                inside = lo <= v <= hi or (kind == "number" and not math.isinf(np.asarray(float(v), dtype)))
-            except OverflowError:  # an integer literal beyond float64
-                inside = False
-            if not inside:
-                raise InvalidInput(f"{where}[{i}]: {_literal(v)} is out of range for {datatype} "
-                                   f"({_literal(lo)} to {_literal(hi)})")
-
-
-def json_tensor(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
-    """A tensor's JSON ``data`` (flat or nested lists) as a flat array of ``datatype``, by the rules of
-    :data:`LITERAL_RULES` (BYTES: strings, encoded as UTF-8).
-
-    Raises:
-        InvalidInput: not a list, ragged nesting, a literal the datatype does not take or out of its range (the
-            message names ``where[i]``, the data's path, and shows the literal), or not ``count`` elements.
-    """
-    dtype = NUMPY_DTYPES[datatype]
-    if not isinstance(data, list):
-        raise InvalidInput(f"{where}: expected a list, got {type(data).__name__}")
-    if datatype == "BYTES":
-        try:
-            flat = np.asarray(data, dtype=object).ravel()
-        except ValueError as exc:
-            raise InvalidInput(f"{where}: ragged nested list ({exc})") from None
-        arr = np.empty(flat.size, dtype=object)
-        for i, item in enumerate(flat):
-            if not isinstance(item, str):
-                raise InvalidInput(f"{where}[{i}]: BYTES elements must be strings, got {_literal(item)}")
-            arr[i] = item.encode()
-    else:
-        arr = _fast_numbers(data, datatype, dtype, where)
-        if arr is None:  # a literal of the wrong kind or out of range: the exact path names it
-            arr = _exact(_flat(data), datatype, dtype, where)
-    if arr.size != count:
-        raise InvalidInput(f"{where}: shape holds {count} elements, data has {arr.size}")
-    return arr
-
-
 #: default bound on one tensor's element count (Triton has none; 2**28 FP32 elements are 1 GiB).
 MAX_TENSOR_ELEMENTS = 1 << 28
 
@@ -316,19 +175,20 @@ def decode_request(
             raise InvalidInput(f"{where}: expected an object, got {type(t).__name__}")
         name = t.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidInput(f"{where}.name: expected a string, got {_literal(name)}")
+            raise InvalidInput(f"{where}.name: expected a string, got {json_literal(name)}")
         where = f"input '{name}'"
         if name in inputs:
             raise InvalidInput(f"{where}: given twice")
         datatype = t.get("datatype")
         if datatype not in NUMPY_DTYPES:
-            raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got {_literal(datatype)}")
+            raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got "
+                               f"{json_literal(datatype)}")
         shape = t.get("shape")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
         ):
             raise InvalidInput(f"{where}.shape: expected a list of integers from 0 to {MAX_DIM - 1}, got "
-                               f"{_literal(shape)}")
+                               f"{json_literal(shape)}")
         if len(shape) > MAX_DIMS:
             raise InvalidInput(f"{where}.shape: {len(shape)} dimensions, more than the {MAX_DIMS} a tensor may have")
         dtype = NUMPY_DTYPES[datatype]
@@ -379,7 +239,7 @@ def decode_request(
         outputs = []
         for i, o in enumerate(raw_outputs):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {_literal(o)}")
+                raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {json_literal(o)}")
             if any(r.name == o["name"] for r in outputs):
                 raise InvalidInput(f"outputs[{i}]: output '{o['name']}' is requested twice")
             op, where = _params(o, f"outputs[{i}]"), f"outputs[{i}].parameters"
@@ -392,7 +252,7 @@ def decode_request(
 
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
-        raise InvalidInput(f"id: expected a string, got {_literal(rid)}")
+        raise InvalidInput(f"id: expected a string, got {json_literal(rid)}")
     return InferRequest(
         inputs=inputs,
         id=rid,
