@@ -38,7 +38,8 @@ from engines.cuda import IPC_HANDLE_BYTES
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
 from .errors import InvalidInput
-from .json_tensors import LITERAL_RULES, json_literal, json_tensor  # LITERAL_RULES, json_tensor: re-exported
+from .json_tensors import LITERAL_RULES, json_tensor  # re-exported: codec's public names
+from .json_tensors import json_literal as _literal
 from .protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -54,7 +55,7 @@ def _int_param(params: dict[str, Any], key: str, where: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {json_literal(v)}")
+        raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {_literal(v)}")
     return v
 
 
@@ -63,7 +64,7 @@ def _bool_param(params: dict[str, Any], key: str, where: str) -> bool | None:
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise InvalidInput(f"{where}.{key}: expected true or false, got {json_literal(v)}")
+        raise InvalidInput(f"{where}.{key}: expected true or false, got {_literal(v)}")
     return v
 
 
@@ -175,20 +176,19 @@ def decode_request(
             raise InvalidInput(f"{where}: expected an object, got {type(t).__name__}")
         name = t.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidInput(f"{where}.name: expected a string, got {json_literal(name)}")
+            raise InvalidInput(f"{where}.name: expected a string, got {_literal(name)}")
         where = f"input '{name}'"
         if name in inputs:
             raise InvalidInput(f"{where}: given twice")
         datatype = t.get("datatype")
         if datatype not in NUMPY_DTYPES:
-            raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got "
-                               f"{json_literal(datatype)}")
+            raise InvalidInput(f"{where}.datatype: expected one of {', '.join(NUMPY_DTYPES)}, got {_literal(datatype)}")
         shape = t.get("shape")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
         ):
             raise InvalidInput(f"{where}.shape: expected a list of integers from 0 to {MAX_DIM - 1}, got "
-                               f"{json_literal(shape)}")
+                               f"{_literal(shape)}")
         if len(shape) > MAX_DIMS:
             raise InvalidInput(f"{where}.shape: {len(shape)} dimensions, more than the {MAX_DIMS} a tensor may have")
         dtype = NUMPY_DTYPES[datatype]
@@ -239,7 +239,7 @@ def decode_request(
         outputs = []
         for i, o in enumerate(raw_outputs):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {json_literal(o)}")
+                raise InvalidInput(f"outputs[{i}]: expected an object with a string name, got {_literal(o)}")
             if any(r.name == o["name"] for r in outputs):
                 raise InvalidInput(f"outputs[{i}]: output '{o['name']}' is requested twice")
             op, where = _params(o, f"outputs[{i}]"), f"outputs[{i}].parameters"
@@ -252,7 +252,7 @@ def decode_request(
 
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
-        raise InvalidInput(f"id: expected a string, got {json_literal(rid)}")
+        raise InvalidInput(f"id: expected a string, got {_literal(rid)}")
     return InferRequest(
         inputs=inputs,
         id=rid,
