@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from ..base import EngineError, ExecutionContext, TensorSpec
+from ..base import DeviceContext, EngineError, TensorSpec
 from ..cuda import CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, page_locked, set_device
 from ..datatypes import NUMPY_DTYPES
 from .options import cuda_provider, session_options
@@ -169,30 +169,21 @@ def check_rows(inputs: Mapping[str, np.ndarray], sizes: tuple[int, ...] | None) 
     return n
 
 
-class CudaContext(ExecutionContext):
+class CudaContext(DeviceContext):
     """What the CUDA contexts share: their plan, allowed sizes and measured device memory, and their facts."""
 
     #: ``describe()["execution"]``
     execution = ""
     _plan: CudaPlan
-    _sizes: tuple[int, ...] | None
     _device_nbytes = 0
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...] | None:
-        return self._sizes
 
     @property
     def nbytes(self) -> int:
         return self._device_nbytes
 
-    @property
-    def device_nbytes(self) -> int:
-        return self._device_nbytes
-
     def describe(self) -> dict[str, Any]:
-        return {"execution": self.execution, "precision": self._plan.precision,
-                "batch_sizes": list(self._sizes) if self._sizes else None, "device_id": self._plan.device_id}
+        return {"execution": self.execution, "precision": self._plan.precision, "batch_sizes": self._sizes_fact,
+                "device_id": self._plan.device_id}
 
 
 class CudaSessionsContext(CudaContext):

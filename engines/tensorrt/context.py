@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..base import EngineError, ExecutionContext
+from ..base import DeviceContext, EngineError
 from ..cuda import CAPTURE_GATE, CudaError, DeviceBuffer, PinnedBuffer, Stream, set_device
 from ..datatypes import NUMPY_DTYPES
 from .api import TensorRTError, dims
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("engines.tensorrt")
 
 
-class TensorRTContext(ExecutionContext):
+class TensorRTContext(DeviceContext):
     """One ``IExecutionContext`` with its stream, device buffers and pinned staging buffers. Not thread-safe.
 
-    Created by :meth:`TensorRTEngine.create_context` on optimization profile ``profile``.
+    Created by :meth:`TensorRTEngine.create_context` on optimization profile ``profile``. Its :attr:`batch_sizes`
+    are the sizes with a CUDA graph (``None``: any size in the profile, enqueued without graphs).
 
     Raises (constructor):
         TensorRTError: TensorRT refused the profile or a shape, or an output's shape depends on the data (needs an
@@ -109,18 +110,9 @@ class TensorRTContext(ExecutionContext):
 
     # ---- contract
 
-    @property
-    def batch_sizes(self) -> tuple[int, ...] | None:
-        """The sizes with a CUDA graph (``None``: any size in the profile, enqueued without graphs)."""
-        return self._sizes
-
-    @property
-    def device_nbytes(self) -> int:
-        return self.nbytes
-
     def describe(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"execution": "tensorrt_graphs" if self._sizes else "tensorrt",
-                                 "batch_sizes": list(self._sizes) if self._sizes else None,
+                                 "batch_sizes": self._sizes_fact,
                                  "profile": self.profile_index, "device_id": self._owner.device_id}
         if self._fallback:
             facts["fallback_reason"] = self._fallback
