@@ -265,6 +265,31 @@ def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:
     return delay_s > 0 and mean_gap_s < 2 * delay_s
 
 
+#: weight of the newest gap in the moving average of inter-arrival times (adaptive_queue_delay).
+GAP_EWMA_ALPHA = 0.2
+
+
+@dataclass
+class ArrivalGaps:
+    """The moving average of a queue's inter-arrival times that :func:`worth_waiting` reads: an exponentially
+    weighted mean (weight :data:`GAP_EWMA_ALPHA` for the newest gap), each gap capped at 1 s so one quiet spell
+    does not outweigh a burst.
+
+    Attributes:
+        mean_s: the mean gap, seconds; 0.0 ("busy") before the second arrival.
+        last: the latest arrival, event-loop seconds; None before the first.
+    """
+
+    mean_s: float = 0.0
+    last: float | None = None
+
+    def arrive(self, t: float) -> None:
+        """Count an arrival at event-loop time ``t`` (seconds)."""
+        if self.last is not None:
+            self.mean_s += GAP_EWMA_ALPHA * (min(t - self.last, 1.0) - self.mean_s)
+        self.last = t
+
+
 class Verdict(enum.Enum):
     """Admission control's answer for a request (:func:`admission`)."""
 

@@ -22,9 +22,9 @@ from engines.memory import rss_bytes
 from engines.zoo import ZooError, resolve
 
 from .batch_sizes import allowed_batch_sizes, padded_size
-from .codec import json_tensor
 from .config import ModelConfig
 from .errors import ConfigError, InvalidInput
+from .json_tensors import json_tensor
 from .signature import DEFAULT_MAX_BATCH_SIZE, ModelSignature
 
 #: dynamic dims of warm-up inputs where the config gives no ``warmup_dims``.

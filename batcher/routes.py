@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import importlib.resources
 import inspect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from .shm import require_enabled
 OFFLOAD_BYTES = 256 * 1024
 
 routes = web.RouteTableDef()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -45,14 +47,25 @@ def _model(request: web.Request) -> tuple[str, str | None]:
     return request.match_info["model"], request.match_info.get("version")
 
 
+def _model_route(method: str, suffix: str = "") -> Callable[[Handler], Handler]:
+    """Register a handler at both of KServe v2's paths of a model: ``/v2/models/{model}/versions/{version}<suffix>``
+    and ``/v2/models/{model}<suffix>`` (in that order)."""
+
+    def register(handler: Handler) -> Handler:
+        for path in (f"/v2/models/{{model}}/versions/{{version}}{suffix}", f"/v2/models/{{model}}{suffix}"):
+            routes.route(method, path)(handler)
+        return handler
+
+    return register
+
+
 async def _answer(result: Any) -> Any:
     """A data-plane call's result: in-process methods answer at once, a front end's remote data plane
     (:mod:`batcher.remote`) through an awaitable."""
     return await result if inspect.isawaitable(result) else result
 
 
-@routes.post("/v2/models/{model}/infer")
-@routes.post("/v2/models/{model}/versions/{version}/infer")
+@_model_route("POST", "/infer")
 async def infer(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     server = request.app[CONFIG].server
@@ -115,30 +128,26 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 
 @routes.get("/v2/models/stats")
-@routes.get("/v2/models/{model}/stats")
-@routes.get("/v2/models/{model}/versions/{version}/stats")
+@_model_route("GET", "/stats")
 async def model_statistics(request: web.Request) -> web.Response:
     """Triton's statistics extension (what perf_analyzer reads for its server-side breakdown)."""
     info = request.match_info
     return _json(await _answer(request.app[DATAPLANE].statistics(info.get("model"), info.get("version"))))
 
 
-@routes.get("/v2/models/{model}")
-@routes.get("/v2/models/{model}/versions/{version}")
+@_model_route("GET")
 async def model_metadata(request: web.Request) -> web.Response:
     return _json(await request.app[DATAPLANE].model_metadata(*_model(request)))
 
 
-@routes.get("/v2/models/{model}/ready")
-@routes.get("/v2/models/{model}/versions/{version}/ready")
+@_model_route("GET", "/ready")
 async def model_ready(request: web.Request) -> web.Response:
     name, version = _model(request)
     ok = await _answer(request.app[DATAPLANE].model_ready(name, version))
     return _json({"name": name, "ready": ok}, 200 if ok else 503)
 
 
-@routes.get("/v2/models/{model}/config")
-@routes.get("/v2/models/{model}/versions/{version}/config")
+@_model_route("GET", "/config")
 async def model_config(request: web.Request) -> web.Response:
     """The model's configuration in Triton's model-config JSON form (what perf_analyzer and tritonclient read)."""
     return _json(await request.app[DATAPLANE].model_config(*_model(request)))

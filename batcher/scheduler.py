@@ -42,6 +42,7 @@ from functools import partial
 import numpy as np
 
 from .batching import (
+    ArrivalGaps,
     BatchTimes,
     Pending,
     State,
@@ -65,16 +66,24 @@ from .stats import Stats
 
 log = logging.getLogger(__name__)
 
-#: weight of the newest gap in the moving average of inter-arrival times (adaptive_queue_delay).
-GAP_EWMA_ALPHA = 0.2
-
-
 async def _pipelined(ex: Executor, args: tuple, slot: int) -> BatchResult:
     """A batch through a two-stage executor: staged on its staging thread, then run on the context's thread.
     ``args``: :func:`~batcher.executor.stage_batch`'s after the context (batch, model, estimate, clock, allowed,
     batched)."""
     staged = await ex.stage(stage_batch, *args, slot)
     return await ex.submit(run_batch, staged, args[1], args[4])
+
+
+def _batch_result(model: str, fut: asyncio.Future, requests: int) -> BatchResult:
+    """What a finished batch future came to for its ``requests``: the executor's result; when cancelled (the model
+    is closing) 503 for each; when it raised (a bug, not an engine error: logged, the runner keeps serving) 500 for
+    each. A failed or cancelled batch reports no rows, so it is not recorded."""
+    if fut.cancelled():
+        return BatchResult([Unavailable(f"model '{model}' is shutting down")] * requests, (0.0, 0.0, 0.0), 0)
+    if fut.exception() is not None:
+        log.error("model %s: batch failed", model, exc_info=fut.exception())
+        return BatchResult([ExecutionFailed(f"model '{model}': {fut.exception()!r}")] * requests, (0.0, 0.0, 0.0), 0)
+    return fut.result()
 
 
 class ModelRunner:
@@ -115,8 +124,7 @@ class ModelRunner:
         self._executing_rows = 0
         # measured seconds per executed batch size: admission, early windows, late drops
         self.times = BatchTimes(allowed=self._allowed)
-        self._gap_s = 0.0  # moving average of arrival gaps (s, each capped at 1 s); starts "busy"
-        self._last_arrival: float | None = None
+        self._gaps = ArrivalGaps()  # adaptive_queue_delay reads their moving average
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         # no timer under uvloop's 1 ms tick: it would fire at once and the batch window would spin
@@ -168,9 +176,7 @@ class ModelRunner:
                 raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
                     priority=priority_level(priority, self._levels, self._default_level), lease=lease)
-        if self._last_arrival is not None:
-            self._gap_s += GAP_EWMA_ALPHA * (min(received - self._last_arrival, 1.0) - self._gap_s)
-        self._last_arrival = received
+        self._gaps.arrive(received)
         if deadline is not None:
             p.timer = self._loop.call_at(deadline, self._expire, p)
         if self._tail is not None:
@@ -273,7 +279,7 @@ class ModelRunner:
             wait = window_wait(now, min(p.arrival for p in batch), self._delay_s,
                                min(deadlines) if deadlines else None, self.times.estimate(rows))
             if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
-                    or (self._adaptive and not worth_waiting(self._gap_s, self._delay_s))):
+                    or (self._adaptive and not worth_waiting(self._gaps.mean_s, self._delay_s))):
                 taken = set(map(id, batch))
                 self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
                 return batch
@@ -287,17 +293,10 @@ class ModelRunner:
         self._running.discard(fut)
         self._idle.put_nowait(token)
         self._executing_rows -= sum(p.rows for p in batch)
-        if fut.cancelled():
-            outcomes: list = [Unavailable(f"model '{self.name}' is shutting down")] * len(batch)
-        elif fut.exception() is not None:  # a bug, not an engine error: fail the batch, keep serving
-            log.error("model %s: batch failed", self.name, exc_info=fut.exception())
-            outcomes = [ExecutionFailed(f"model '{self.name}': {fut.exception()!r}")] * len(batch)
-        else:
-            result: BatchResult = fut.result()
-            outcomes = result.outcomes
-            if result.rows:
-                self._record_batch(result, len(batch))
-        for p, out in zip(batch, outcomes):
+        result = _batch_result(self.name, fut, len(batch))
+        if result.rows:
+            self._record_batch(result, len(batch))
+        for p, out in zip(batch, result.outcomes):
             p.settle()
             if p.future.done():  # the client went away or the deadline passed: its rows are discarded
                 continue

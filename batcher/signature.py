@@ -6,7 +6,7 @@ bad request is answered with 400 on its own and never fails the other requests o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,9 +154,7 @@ class ModelSignature:
         """Names, datatypes, ranks, the fixed dims from dim ``skip`` on (1: past the batch dim), and UTF-8 BYTES
         where the backend carries them as text."""
         expected = [s.name for s in self.inputs]
-        for name in inputs:
-            if name not in expected:
-                raise InvalidInput(f"unknown input '{name}' for model '{model}'; expected inputs: {expected}")
+        _require_known(inputs, expected, "input", model, "expected inputs")
         for spec in self.inputs:
             arr = inputs.get(spec.name)
             if arr is None:
@@ -177,10 +175,15 @@ class ModelSignature:
 
     def check_outputs(self, model: str, names: Sequence[str]) -> None:
         """Raises InvalidInput when a requested output does not exist."""
-        known = [o.name for o in self.outputs]
-        for name in names:
-            if name not in known:
-                raise InvalidInput(f"unknown output '{name}' for model '{model}'; outputs: {known}")
+        _require_known(names, [o.name for o in self.outputs], "output", model, "outputs")
+
+
+def _require_known(names: Iterable[str], known: list[str], kind: str, model: str, listed: str) -> None:
+    """Raises InvalidInput naming the first of ``names`` that is not one of the model's ``known`` tensors of
+    ``kind`` (input, output) and listing them after ``listed``."""
+    for name in names:
+        if name not in known:
+            raise InvalidInput(f"unknown {kind} '{name}' for model '{model}'; {listed}: {known}")
 
 
 def _check_utf8(name: str, arr: np.ndarray) -> None:

@@ -34,11 +34,7 @@ import time
 from pathlib import Path
 
 from bench.gpubench.common import add_load_arguments, chosen_parts, say
-from bench.scripts import script_parser
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from bench.scripts import comma_list, script_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="resnet18", help="zoo model (default: resnet18)")
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"], help="GPU precision")
     p.add_argument("--instances", type=int, default=1, help="execution contexts per GPU (default: 1)")
-    p.add_argument("--frontends", type=_ints, default=[0, 1, 2, 4, 8], help="(n): front ends to try; 0: one process")
+    p.add_argument("--frontends", type=comma_list(int), default=[0, 1, 2, 4, 8],
+                   help="(n): front ends to try; 0: one process")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="uvloop", help="server.event_loop")
     p.add_argument("--buffer-mb", type=int, default=256, help="server.frontend_buffer_mb (per front end x engine)")
     p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")

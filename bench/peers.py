@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.scripts import script_parser
+from bench.scripts import comma_list, script_parser
 from bench.server import ServerProcess, Subprocess, free_port
 from bench.sweep.arrivals import arrival_times
 from bench.sweep.drivers import Samples, drive_closed, drive_open, http_sender
@@ -505,36 +505,27 @@ def targets(summaries: dict, peers: list[dict], frontend: list[dict], args: argp
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-def _list(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list (got {text!r})") from None
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser("bench.peers", __doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for the CSVs, JSON and server logs")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the generated mlp.onnx and trivial.onnx go (default: $BATCHER_CACHE_DIR/bench or "
                         "~/.cache/trt-batcher/bench)")
-    p.add_argument("--servers", type=_list(str), default=list(SERVERS),
+    p.add_argument("--servers", type=comma_list(str), default=list(SERVERS),
                    help=f"peers to measure, in order (default: {','.join(SERVERS)}); ours is the reference")
-    p.add_argument("--sections", type=_list(str), default=["peers", "frontend"],
+    p.add_argument("--sections", type=comma_list(str), default=["peers", "frontend"],
                    help="what to run: peers, frontend (default: both)")
     g = p.add_argument_group("load (the sweep tool's settings)")
     g.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
     g.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each step (default: 1)")
-    g.add_argument("--clients", type=_list(int), default=[1, 16],
+    g.add_argument("--clients", type=comma_list(int), default=[1, 16],
                    help="closed-loop client counts (default: 1,16): p50 at 1, throughput and p99 at the largest (the "
                         "*_16clients columns)")
-    g.add_argument("--encodings", type=_list(str), default=["json", "binary"],
+    g.add_argument("--encodings", type=comma_list(str), default=["json", "binary"],
                    help="tensor encodings of the closed-loop steps: json, binary (default: json,binary)")
     g.add_argument("--open-encoding", choices=["json", "binary"], default="json",
                    help="tensor encoding of the open-loop search (default: json, as the reference figures)")
-    g.add_argument("--rates", type=_list(float), default=_list(float)(DEFAULT_RATES),
+    g.add_argument("--rates", type=comma_list(float), default=comma_list(float)(DEFAULT_RATES),
                    help=f"open-loop offered rates, ascending, tried until one fails (default: {DEFAULT_RATES})")
     g.add_argument("--p99-target-ms", type=float, default=50.0,
                    help="p99 a passing open-loop step stays under (default: 50)")
@@ -561,13 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Python with nvidia-pytriton and onnxruntime (default: this one if it has pytriton, else "
                         f"{DEFAULT_PYTRITON_VENV})")
     g = p.add_argument_group("front end")
-    g.add_argument("--frontend-servers", type=_list(str), default=["ours", "bare"],
+    g.add_argument("--frontend-servers", type=comma_list(str), default=["ours", "bare"],
                    help="servers of the CPU test: ours, bare, bare-uvloop, nobatch (default: ours,bare)")
     g.add_argument("--frontend-repeats", type=int, default=5,
                    help="rounds of the CPU test, servers in turn; rows report the median round (default: 5)")
-    g.add_argument("--frontend-clients", type=_list(int), default=[16],
+    g.add_argument("--frontend-clients", type=comma_list(int), default=[16],
                    help="closed-loop clients of the CPU test (default: 16; empty: none)")
-    g.add_argument("--frontend-rates", type=_list(float), default=[2000.0],
+    g.add_argument("--frontend-rates", type=comma_list(float), default=[2000.0],
                    help="open-loop rates of the CPU test (req/s, constant arrivals), so every server does the "
                         "same work per second (default: 2000)")
     g.add_argument("--frontend-requests", type=int, default=20000,

@@ -8,6 +8,8 @@ Only the standard library at import time: ``bench/pytriton_server.py`` imports i
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 READY_BODY = b'{"ready":true}'
 
@@ -18,6 +20,19 @@ def script_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     head, _, rest = doc.strip().partition("\n\n")
     return argparse.ArgumentParser(prog=f"python -m {prog}", description=head, epilog=rest or None,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def comma_list(kind: Callable[[str], Any]) -> Callable[[str], list]:
+    """An argparse ``type``: ``"1,4,16"`` -> ``[kind("1"), kind("4"), kind("16")]`` (empty items skipped, so ``""``
+    is ``[]``); a value ``kind`` refuses is argparse's usage error, naming the text."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list (got {text!r})") from None
+
+    return parse
 
 
 def peer_server_parser(prog: str, doc: str) -> argparse.ArgumentParser:

@@ -121,6 +121,27 @@ class ExecutionContext(abc.ABC):
         """Free the context's memory. Idempotent; the context must not be used afterwards."""
 
 
+class DeviceContext(ExecutionContext):
+    """An execution context on a GPU (ONNX Runtime's CUDA contexts, TensorRT's): all the memory it holds is device
+    memory (:attr:`device_nbytes` is :attr:`nbytes`), and :attr:`batch_sizes` are the sizes it prepared an
+    executable for, kept in ``_sizes`` (set when the context is created; None: any size)."""
+
+    _sizes: tuple[int, ...] | None = None
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        return self._sizes
+
+    @property
+    def device_nbytes(self) -> int:
+        return self.nbytes
+
+    @property
+    def _sizes_fact(self) -> list[int] | None:
+        """``describe()["batch_sizes"]``: :attr:`batch_sizes` as a JSON list, None for any size."""
+        return list(self._sizes) if self._sizes else None
+
+
 class Engine(abc.ABC):
     """A loaded model. Creating, using and releasing contexts is the caller's business."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class CaptureGate:
@@ -39,39 +39,46 @@ class CaptureGate:
         self._writers_waiting = 0
         self.captures = 0
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> contextlib.AbstractContextManager[None]:
         """Hold the gate for ordinary CUDA work (any number of threads at once)."""
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
+        return self._hold(self._enter_shared, self._leave_shared)
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the gate alone, for a Global-mode graph capture: waits for every shared holder to leave."""
+        return self._hold(self._enter_exclusive, self._leave_exclusive)
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the gate alone, for a Global-mode graph capture: waits for every shared holder to leave."""
+    def _hold(self, enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
+        """The caller's block between ``enter()`` and ``leave()``, each run under the lock."""
         with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer or self._readers:
-                    self._cond.wait()
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-            self.captures += 1
+            enter()
         try:
             yield
         finally:
             with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+                leave()
+
+    def _enter_shared(self) -> None:
+        self._cond.wait_for(lambda: not (self._writer or self._writers_waiting))
+        self._readers += 1
+
+    def _leave_shared(self) -> None:
+        self._readers -= 1
+        if self._readers == 0:
+            self._cond.notify_all()
+
+    def _enter_exclusive(self) -> None:
+        self._writers_waiting += 1
+        try:
+            self._cond.wait_for(lambda: not (self._writer or self._readers))
+        finally:
+            self._writers_waiting -= 1
+        self._writer = True
+        self.captures += 1
+
+    def _leave_exclusive(self) -> None:
+        self._writer = False
+        self._cond.notify_all()
 
 
 #: The one gate of this process (CUDA's capture modes are per process, whatever the device).

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from ..base import EngineError, ExecutionContext, TensorSpec
+from ..base import DeviceContext, EngineError, TensorSpec
 from ..cuda import CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, page_locked, set_device
 from ..datatypes import NUMPY_DTYPES
 from .options import cuda_provider, session_options
@@ -169,30 +169,45 @@ def check_rows(inputs: Mapping[str, np.ndarray], sizes: tuple[int, ...] | None) 
     return n
 
 
-class CudaContext(ExecutionContext):
+def _call(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
+class CudaContext(DeviceContext):
     """What the CUDA contexts share: their plan, allowed sizes and measured device memory, and their facts."""
 
     #: ``describe()["execution"]``
     execution = ""
-    _plan: CudaPlan
-    _sizes: tuple[int, ...] | None
     _device_nbytes = 0
 
-    @property
-    def batch_sizes(self) -> tuple[int, ...] | None:
-        return self._sizes
+    def __init__(self, plan: CudaPlan, batch_sizes: tuple[int, ...] | None) -> None:
+        """What every CUDA context starts with; the subclass adds its own, then calls :meth:`_measure_build`."""
+        self._plan = plan
+        self._sizes = batch_sizes
+        self._output_names = [o.name for o in plan.outputs]
+        self._buffers = IOBuffers()
+        self._stream: Stream | None = None
+
+    def _build(self) -> None:
+        """Create the context's stream, sessions and buffers (the subclass's)."""
+        raise NotImplementedError
+
+    def _measure_build(self, call: Callable[..., Any] | None = None) -> None:
+        """Run :meth:`_build` through ``call`` (default: on this thread) and keep the device memory it took
+        (:func:`measured`); on any failure, release what was made and re-raise."""
+        try:
+            _, self._device_nbytes = (call or _call)(measured, self._plan.device_id, self._build)
+        except BaseException:
+            self.release()
+            raise
 
     @property
     def nbytes(self) -> int:
         return self._device_nbytes
 
-    @property
-    def device_nbytes(self) -> int:
-        return self._device_nbytes
-
     def describe(self) -> dict[str, Any]:
-        return {"execution": self.execution, "precision": self._plan.precision,
-                "batch_sizes": list(self._sizes) if self._sizes else None, "device_id": self._plan.device_id}
+        return {"execution": self.execution, "precision": self._plan.precision, "batch_sizes": self._sizes_fact,
+                "device_id": self._plan.device_id}
 
 
 class CudaSessionsContext(CudaContext):
@@ -207,20 +222,12 @@ class CudaSessionsContext(CudaContext):
     execution = "cuda_sessions"
 
     def __init__(self, plan: CudaPlan, batch_sizes: tuple[int, ...] | None, fallback_reason: str | None = None) -> None:
-        self._plan = plan
-        self._sizes = batch_sizes
+        super().__init__(plan, batch_sizes)
         self._reason = fallback_reason
-        self._output_names = [o.name for o in plan.outputs]
-        self._buffers = IOBuffers()
         self._sessions: dict[int | None, ort.InferenceSession] = {}
         self._bindings: dict[int | None, Any] = {}
         set_device(plan.device_id)
-        self._stream: Stream | None = None
-        try:
-            _, self._device_nbytes = measured(plan.device_id, self._build)
-        except BaseException:
-            self.release()
-            raise
+        self._measure_build()
 
     def _build(self) -> None:
         with CAPTURE_GATE.shared():

@@ -41,7 +41,7 @@ import numpy as np
 from ..base import EngineError
 from ..cuda import CAPTURE_GATE, PinnedBuffer, Stream, set_device
 from . import cuda as _cuda
-from .cuda import CudaContext, CudaPlan, IOBuffers, check_rows, measured
+from .cuda import CudaContext, CudaPlan, check_rows
 from .options import run_options
 
 log = logging.getLogger("engines.onnxruntime")
@@ -84,23 +84,14 @@ class CudaGraphContext(CudaContext):
         if plan.static_shapes(1) is None:
             raise EngineError("CUDA graphs need static non-batch dims on every input and output: "
                               + ", ".join(f"{s.name} {list(s.shape)}" for s in plan.inputs + plan.outputs))
-        self._plan = plan
-        self._sizes = tuple(batch_sizes)
+        super().__init__(plan, tuple(batch_sizes))
         self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
-        self._output_names = [o.name for o in plan.outputs]
-        self._buffers = IOBuffers()
         self._spare: dict[str, PinnedBuffer] = {}  # staging slot 1 (host_buffer(..., slot=1)), one per input
-        self._stream: Stream | None = None
         self._session: Any = None
         self._bindings: dict[int, Any] = {}
         self._run_options: dict[int, Any] = {}
-        self._device_nbytes = 0
         self._thread = DeviceThread(f"cuda-graphs-{plan.path.stem}")
-        try:
-            _, self._device_nbytes = self._thread.call(measured, plan.device_id, self._build)
-        except BaseException:
-            self.release()
-            raise
+        self._measure_build(self._thread.call)
 
     # ---- creation, on the context's thread
 

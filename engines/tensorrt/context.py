@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..base import EngineError, ExecutionContext
+from ..base import DeviceContext, EngineError
 from ..cuda import CAPTURE_GATE, CudaError, DeviceBuffer, PinnedBuffer, Stream, set_device
 from ..datatypes import NUMPY_DTYPES
 from .api import TensorRTError, dims
-from .graphs import ShapeGraph, capture_graphs, graph_sizes
+from .graphs import ShapeGraph, bind_addresses, capture_graphs, graph_sizes, set_profile_and_shapes
 from .profiles import ProfileBounds, Shape, buffer_nbytes, slice_rows
 
 if TYPE_CHECKING:
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("engines.tensorrt")
 
 
-class TensorRTContext(ExecutionContext):
+class TensorRTContext(DeviceContext):
     """One ``IExecutionContext`` with its stream, device buffers and pinned staging buffers. Not thread-safe.
 
-    Created by :meth:`TensorRTEngine.create_context` on optimization profile ``profile``.
+    Created by :meth:`TensorRTEngine.create_context` on optimization profile ``profile``. Its :attr:`batch_sizes`
+    are the sizes with a CUDA graph (``None``: any size in the profile, enqueued without graphs).
 
     Raises (constructor):
         TensorRTError: TensorRT refused the profile or a shape, or an output's shape depends on the data (needs an
@@ -78,15 +79,9 @@ class TensorRTContext(ExecutionContext):
         if trt_context is None:
             raise TensorRTError("create_execution_context() returned None (out of device memory?)")
         self._trt_context = trt_context
-        if not trt_context.set_optimization_profile_async(self.profile_index, stream.ptr):
-            raise TensorRTError(f"set_optimization_profile_async({self.profile_index}) was refused")
-        stream.synchronize()
         # Size every buffer for the profile's largest shapes: inputs at their max, outputs as TensorRT infers them.
-        shapes: dict[str, Shape] = {}
-        for name, (_lo, hi) in self._bounds.shapes.items():
-            if not trt_context.set_input_shape(name, hi):
-                raise TensorRTError(f"set_input_shape({name!r}, {list(hi)}) refused for profile {self.profile_index}")
-            shapes[name] = hi
+        shapes: dict[str, Shape] = {name: hi for name, (_lo, hi) in self._bounds.shapes.items()}
+        set_profile_and_shapes(trt_context, self.profile_index, stream, shapes)
         for spec in self._owner.outputs:
             shape = dims(trt_context.get_tensor_shape(spec.name))
             if any(d < 0 for d in shape):
@@ -96,9 +91,7 @@ class TensorRTContext(ExecutionContext):
                 )
             shapes[spec.name] = shape
         self._allocate(shapes)
-        for name, device in self._device.items():
-            if not trt_context.set_tensor_address(name, device.ptr):
-                raise TensorRTError(f"set_tensor_address({name!r}) refused")
+        bind_addresses(trt_context, self._device)
 
     def _allocate(self, shapes: dict[str, Shape]) -> None:
         """One device and one pinned buffer per I/O tensor, sized for ``shapes`` (the profile's largest)."""
@@ -109,18 +102,9 @@ class TensorRTContext(ExecutionContext):
 
     # ---- contract
 
-    @property
-    def batch_sizes(self) -> tuple[int, ...] | None:
-        """The sizes with a CUDA graph (``None``: any size in the profile, enqueued without graphs)."""
-        return self._sizes
-
-    @property
-    def device_nbytes(self) -> int:
-        return self.nbytes
-
     def describe(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"execution": "tensorrt_graphs" if self._sizes else "tensorrt",
-                                 "batch_sizes": list(self._sizes) if self._sizes else None,
+                                 "batch_sizes": self._sizes_fact,
                                  "profile": self.profile_index, "device_id": self._owner.device_id}
         if self._fallback:
             facts["fallback_reason"] = self._fallback

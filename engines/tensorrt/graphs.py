@@ -14,7 +14,7 @@ sizes share the context's I/O buffers (sized for the largest), bound with ``set_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..cuda import DeviceBuffer, Graph, Stream
@@ -30,6 +30,32 @@ class ShapeGraph:
         self.trt_context = trt_context
         self.graph = graph
         self.outputs = outputs
+
+
+def set_profile_and_shapes(trt_context: Any, profile: int, stream: Stream, shapes: Mapping[str, Shape]) -> None:
+    """Put ``trt_context`` on optimization ``profile`` (``set_optimization_profile_async`` on ``stream``, then a
+    synchronize) and set every input's shape from ``shapes`` (batch dim included).
+
+    Raises:
+        TensorRTError: TensorRT refused the profile or a shape (names it).
+    """
+    if not trt_context.set_optimization_profile_async(profile, stream.ptr):
+        raise TensorRTError(f"set_optimization_profile_async({profile}) was refused")
+    stream.synchronize()
+    for name, shape in shapes.items():
+        if not trt_context.set_input_shape(name, shape):
+            raise TensorRTError(f"set_input_shape({name!r}, {list(shape)}) refused for profile {profile}")
+
+
+def bind_addresses(trt_context: Any, device: Mapping[str, DeviceBuffer]) -> None:
+    """Bind every I/O tensor of ``trt_context`` to its device buffer in ``device`` (``set_tensor_address``).
+
+    Raises:
+        TensorRTError: TensorRT refused an address (names the tensor).
+    """
+    for name, buf in device.items():
+        if not trt_context.set_tensor_address(name, buf.ptr):
+            raise TensorRTError(f"set_tensor_address({name!r}) refused")
 
 
 def graph_sizes(bounds: ProfileBounds, sizes: Sequence[int]) -> str | None:
@@ -79,22 +105,14 @@ def capture_graphs(cuda_engine: Any, trt: Any, bounds: ProfileBounds, sizes: Seq
             if trt_context is None:
                 raise TensorRTError("create_execution_context(USER_MANAGED) returned None")
             trt_context.set_device_memory(activation.ptr, nbytes)
-            if not trt_context.set_optimization_profile_async(bounds.index, stream.ptr):
-                raise TensorRTError(f"set_optimization_profile_async({bounds.index}) was refused")
-            stream.synchronize()
-            shapes: dict[str, Shape] = {}
-            for name, (_lo, hi) in bounds.shapes.items():
-                shapes[name] = (size, *hi[1:])
-                if not trt_context.set_input_shape(name, shapes[name]):
-                    raise TensorRTError(f"set_input_shape({name!r}, {list(shapes[name])}) refused")
+            shapes = {name: (size, *hi[1:]) for name, (_lo, hi) in bounds.shapes.items()}
+            set_profile_and_shapes(trt_context, bounds.index, stream, shapes)
             outputs = {name: dims(trt_context.get_tensor_shape(name)) for name in output_names}
             if any(min(shape, default=0) < 0 for shape in outputs.values()):
                 raise TensorRTError(f"outputs {outputs} have data-dependent shapes; CUDA graphs cannot hold them")
             if not device:
                 allocate({**shapes, **outputs})
-            for name, buf in device.items():  # the largest size's buffers hold every smaller size
-                if not trt_context.set_tensor_address(name, buf.ptr):
-                    raise TensorRTError(f"set_tensor_address({name!r}) refused")
+            bind_addresses(trt_context, device)  # the largest size's buffers hold every smaller size
             if not trt_context.execute_async_v3(stream.ptr):  # the warm-up enqueue TensorRT asks for
                 raise TensorRTError(f"execute_async_v3 (warm-up, batch {size}) returned False")
             stream.synchronize()

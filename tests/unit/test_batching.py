@@ -93,6 +93,19 @@ def test_the_batch_window_is_held_only_when_more_requests_are_likely():
     assert not worth_waiting(0.0001, 0.0)  # no window configured
 
 
+def test_arrival_gaps_are_an_ewma_of_gaps_each_capped_at_one_second():
+    from batcher.batching import GAP_EWMA_ALPHA, ArrivalGaps
+
+    gaps = ArrivalGaps()
+    gaps.arrive(10.0)
+    assert (gaps.mean_s, gaps.last) == (0.0, 10.0)  # one arrival: no gap yet, still "busy"
+    gaps.arrive(10.1)
+    assert gaps.mean_s == pytest.approx(GAP_EWMA_ALPHA * 0.1)
+    gaps.arrive(15.1)  # a 5 s quiet spell counts as 1 s
+    assert gaps.mean_s == pytest.approx(0.02 + GAP_EWMA_ALPHA * (1.0 - 0.02))
+    assert gaps.last == 15.1
+
+
 def _pd(t: float, deadline: float | None = None, priority: int = 1, rows: int = 1) -> Pending:
     inputs = {"x": np.zeros((rows, 3), np.float32)}
     return Pending(inputs, rows, shape_key(inputs), arrival=t, deadline=deadline, priority=priority)

@@ -63,6 +63,22 @@ def test_parse_rates_and_shapes():
     assert parse_shape("x:1,3,48,320") == ("x", [1, 3, 48, 320])
 
 
+def test_comma_list_is_the_bench_scripts_list_option():
+    import argparse
+
+    from bench.scripts import comma_list
+
+    assert comma_list(int)("1, 4,16,") == [1, 4, 16]
+    assert comma_list(float)("") == []
+    assert comma_list(str)("ours,bare") == ["ours", "bare"]
+    p = argparse.ArgumentParser()
+    p.add_argument("--clients", type=comma_list(int))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--clients", "1,x"])
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected a comma-separated list \(got '1,x'\)"):
+        comma_list(int)("1,x")
+
+
 # ----------------------------------------------------------------------------------------------- statistics
 
 
