@@ -321,7 +321,8 @@ def admission(now: float, deadline: float, rows: int, ahead_rows: int, times: Ba
 def stack_inputs(
     batch: Sequence[Pending], buffer: Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None] | None = None,
     padded_rows: int | None = None,
-) -> dict[str, np.ndarray]:
+    gather: Callable[[str, list[np.ndarray], int], Any] | None = None,
+) -> dict[str, Any]:
     """Concatenate the batch's inputs along the batch dim.
 
     Args:
@@ -329,14 +330,21 @@ def stack_inputs(
             context's pinned staging buffer, see ``ExecutionContext.host_buffer``), saving one copy.
         padded_rows: the first dim of the result (an allowed batch size >= the batch's rows): the rows past the
             requests' are zeros (empty strings for BYTES). Default: the requests' rows.
+        gather: optional ``(name, parts, rows) -> RowParts | None`` (``ExecutionContext.gather_rows``): a context
+            that reads the requests' arrays where they lie takes them unstacked (no host copy at all).
 
     Without a buffer and padding a lone request's inputs are passed through uncopied.
     """
-    out = {}
+    out: dict[str, Any] = {}
     rows = sum(p.rows for p in batch)
     total = rows if padded_rows is None else padded_rows
     for name, first in batch[0].inputs.items():
         shape = (total, *first.shape[1:])
+        if gather is not None and first.dtype != object:
+            parts = gather(name, [p.inputs[name] for p in batch], total)
+            if parts is not None:
+                out[name] = parts
+                continue
         target = None
         if buffer is not None and first.dtype != object:
             target = buffer(name, shape, first.dtype)

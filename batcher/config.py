@@ -21,6 +21,7 @@ Example (``configs/default.yaml`` is the full one)::
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +108,9 @@ class ServerConfig(_Strict):
             raise ValueError(f"memory_budget_mb applies to load_strategy lru only, not {self.load_strategy}")
         if self.repository_token is not None and not self.repository_api:
             raise ValueError("repository_token is set but repository_api is false")
+        if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            # here, at load, not in each child process of multi-process mode once it has started
+            raise ValueError('event_loop uvloop: uvloop is not installed (pip install -e ".[uvloop]")')
         return self
 
 

@@ -70,7 +70,7 @@ class Staged:
     pad: int
     slot: int = 0
     batched: bool = True
-    inputs: dict[str, np.ndarray] | None = None
+    inputs: dict[str, Any] | None = None  # arrays, or RowParts a context reads in place
     seconds: float = 0.0
     error: Exception | None = None
 
@@ -110,7 +110,7 @@ def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, bat
         t0 = time.perf_counter()
         try:
             staged.pad = padded_size(rows, allowed) - rows
-            staged.inputs = stack_inputs(live, _staging(ctx, slot), rows + staged.pad)
+            staged.inputs = stack_inputs(live, _staging(ctx, slot), rows + staged.pad, ctx.gather_rows)
         except (EngineError, ValueError) as exc:
             staged.error = exc
         staged.seconds = time.perf_counter() - t0

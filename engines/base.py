@@ -50,6 +50,45 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+class RowParts:
+    """One input of a batch as the requests' own arrays, not stacked: what a device context that reads page-locked
+    host memory in place copies host-to-device part by part (one DMA per request, no host copy; the front ends'
+    shared memory of multi-process mode, ``cudaHostRegister``-ed). Quacks like the stacked array where a context
+    checks an input: ``shape`` (``[rows, ...]``, padding rows included), ``dtype``, ``nbytes``.
+
+    Args:
+        parts: the requests' arrays in batch order, each ``[r_i, ...]``, C-contiguous, one dtype and row shape.
+        rows: the batch's rows with padding (>= the parts' rows); rows past the parts' are zeros.
+    """
+
+    __slots__ = ("parts", "shape", "dtype", "row_nbytes")
+
+    def __init__(self, parts: list[np.ndarray], rows: int) -> None:
+        first = parts[0]
+        self.parts = parts
+        self.shape = (rows, *first.shape[1:])
+        self.dtype = first.dtype
+        self.row_nbytes = first.dtype.itemsize * int(np.prod(first.shape[1:], dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_nbytes * self.shape[0]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def real_rows(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    def stacked(self) -> np.ndarray:
+        """The parts stacked into one new array, padding rows zero (for a context that cannot take parts)."""
+        out = np.zeros(self.shape, self.dtype)
+        np.concatenate(self.parts, axis=0, out=out[: self.real_rows])
+        return out
+
+
 class ExecutionContext(abc.ABC):
     """One execution context of an engine. Not thread-safe: one thread at a time."""
 
@@ -109,6 +148,12 @@ class ExecutionContext(abc.ABC):
         The caller may stack a batch straight into it and pass it to :meth:`execute`; it stays valid until the
         next call on this context that uses the same ``slot`` (< :attr:`staging_slots`).
         """
+        return None
+
+    def gather_rows(self, name: str, parts: list[np.ndarray], rows: int) -> RowParts | None:
+        """Input ``name`` of a batch as its requests' arrays (:class:`RowParts`, ``rows`` with padding), when
+        :meth:`execute` can read every part where it lies (page-locked host memory sent by DMA part by part), so
+        nobody stacks them on the host; None (the default) to have them stacked into :meth:`host_buffer`."""
         return None
 
     @property

@@ -545,6 +545,18 @@ def make_cudart(gpu: FakeGPU) -> ModuleType:
         gpu.enqueue(stream, op)
         return (ok,)
 
+    def cudaMemsetAsync(devPtr, value, count, stream):
+        err = injected("cudaMemsetAsync")
+        if err is not None:
+            return (err,)
+        dst, count, stream = int(devPtr), int(count), int(stream)
+        if stream not in gpu.streams:
+            return (E.cudaErrorInvalidResourceHandle,)
+        if gpu.find_device(dst, count) is None:
+            return (E.cudaErrorInvalidValue,)
+        gpu.enqueue(stream, lambda: (gpu.write(dst, bytes([int(value) & 0xFF]) * count), ok)[1])
+        return (ok,)
+
     def cudaIpcOpenMemHandle(handle, flags):
         err = injected("cudaIpcOpenMemHandle")
         if err is not None:

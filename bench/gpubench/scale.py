@@ -5,11 +5,13 @@ batch size it formed (part r of the same run)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.peers import cpu_delta, tree_cpu_seconds
+from bench.peers import CLK_TCK, cpu_delta, tree_cpu_seconds
 from bench.server import ServerProcess
 from bench.sweep.requests import build_request
 from bench.sweep.run import SweepConfig, run_sweep
@@ -48,11 +50,20 @@ def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str]
     cfg = SweepConfig(url=server.url, model=model, mode="closed", concurrency=[clients], duration=args.duration,
                       warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
                       metrics_url=server.base + "/metrics")
-    cpu0 = tree_cpu_seconds(server.proc.pid)
+    cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
     row = run_sweep(cfg, body, headers)[0]
     cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
     row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
+    # the whole machine (server, load generator, kernel): is the box itself the bound?
+    row["machine_busy_cores"] = (machine_busy_seconds() - busy0) / (time.monotonic() - t0)
     return row
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine spent not idle since boot (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
 
 
 def summary(row: dict, raw: list[dict], args, **keys) -> dict:
@@ -62,6 +73,7 @@ def summary(row: dict, raw: list[dict], args, **keys) -> dict:
     return {**keys, "qps": round(float(row["achieved_qps"]), 1), "p50_ms": round(float(row["p50_ms"]), 2),
             "p99_ms": round(float(row["p99_ms"]), 2), "avg_batch": round(batch, 2), "errors": row["errors"],
             "server_cpu_ms_per_request": round(row["server_cpu_ms_per_request"], 3),
+            "machine_busy_cores": f"{row['machine_busy_cores']:.1f}/{os.cpu_count()}",
             "raw_rows_per_s_at_batch": round(ref, 1) if ref else None,
             "over_raw": round(float(row["achieved_qps"]) / ref, 3) if ref else None}
 

@@ -74,6 +74,19 @@ def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream
     check(cudart.cudaMemcpyAsync(dst, src, nbytes, kinds[direction], stream.handle), what)
 
 
+
+def memset_async(dst: int, value: int, nbytes: int, stream: Stream, label: str = "") -> None:
+    """Queue setting ``nbytes`` bytes of device memory at ``dst`` to the byte ``value`` on ``stream``
+    (``cudaMemsetAsync``).
+
+    Raises:
+        CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
+            ``"cudaMemsetAsync <label> <nbytes> B failed: <error>"``.
+    """
+    what = " ".join(part for part in ("cudaMemsetAsync", label, f"{nbytes} B") if part)
+    check(runtime().cudaMemsetAsync(dst, int(value), nbytes, stream.handle), what)
+
+
 class PinnedBuffer:
     """Page-locked host memory (``cudaMallocHost``) of ``nbytes`` bytes (at least 1), viewable as numpy arrays
     without copies.

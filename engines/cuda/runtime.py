@@ -63,6 +63,7 @@ CUDART_API: dict[str, tuple[str, ...]] = {
         "cudaHostUnregister",
         "cudaMemcpyKind",
         "cudaMemcpyAsync",
+        "cudaMemsetAsync",
         "cudaIpcMemHandle_t",
         "cudaIpcMemLazyEnablePeerAccess",
         "cudaIpcOpenMemHandle",

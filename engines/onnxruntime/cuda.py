@@ -24,8 +24,9 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from ..base import DeviceContext, EngineError, TensorSpec
-from ..cuda import CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, page_locked, set_device
+from ..base import DeviceContext, EngineError, RowParts, TensorSpec
+from ..cuda import (CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, memcpy_async, memset_async,
+                    page_locked, set_device)
 from ..datatypes import NUMPY_DTYPES
 from .options import cuda_provider, session_options
 
@@ -132,6 +133,20 @@ class IOBuffers:
             np.copyto(pinned.view(arr.shape, arr.dtype), arr)
             src = pinned.ptr
         dev.copy_from_host_async(src, arr.nbytes, stream, repr(name))
+        return dev
+
+    def upload_parts(self, name: str, rows: RowParts, stream: Stream) -> DeviceBuffer:
+        """Queue input ``name`` host-to-device part by part into ``name``'s device buffer on ``stream``: one DMA per
+        request straight from its page-locked array (no host copy), then the padding rows set to zero on the device.
+        Every part must be page-locked (:meth:`CudaContext.gather_rows` checked it) and stay alive and unchanged
+        until the stream has synchronized."""
+        _, dev = self.ensure(name, rows.nbytes)
+        offset = 0
+        for part in rows.parts:
+            memcpy_async(dev.ptr + offset, part.ctypes.data, part.nbytes, "H2D", stream, repr(name))
+            offset += part.nbytes
+        if offset < rows.nbytes:
+            memset_async(dev.ptr + offset, 0, rows.nbytes - offset, stream, f"{name!r} padding")
         return dev
 
     def download(self, name: str, nbytes: int, stream: Stream) -> None:

@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..base import EngineError
-from ..cuda import CAPTURE_GATE, PinnedBuffer, Stream, set_device
+from ..base import EngineError, RowParts
+from ..cuda import CAPTURE_GATE, PinnedBuffer, Stream, page_locked, set_device
 from . import cuda as _cuda
 from .cuda import CudaContext, CudaPlan, check_rows
 from .options import run_options
@@ -138,7 +138,10 @@ class CudaGraphContext(CudaContext):
         assert stream is not None
         try:
             for name, arr in inputs.items():
-                self._buffers.upload(name, arr, stream)
+                if isinstance(arr, RowParts):
+                    self._buffers.upload_parts(name, arr, stream)
+                else:
+                    self._buffers.upload(name, arr, stream)
             self._launch(n)
             shapes = {spec.name: (n, *spec.shape[1:]) for spec in self._plan.outputs}
             for name, shape in shapes.items():
@@ -207,6 +210,19 @@ class CudaGraphContext(CudaContext):
         if int(np.prod(shape)) * np.dtype(dtype).itemsize > pinned.nbytes:
             return None
         return pinned.view(shape, dtype)
+
+    def gather_rows(self, name: str, parts: list[np.ndarray], rows: int) -> RowParts | None:
+        """The requests' arrays of input ``name`` unstacked, when every one is C-contiguous page-locked host memory
+        (the front ends' shared areas of multi-process mode are ``cudaHostRegister``-ed): :meth:`execute` then
+        sends each by DMA into the device buffer at its offset and zeroes the padding rows there, and no thread
+        stacks them on the host. None otherwise (they are stacked into :meth:`host_buffer`)."""
+        dtype = self._dtypes.get(name)
+        if dtype is None or name in self._output_names or rows > max(self._sizes):
+            return None
+        for part in parts:
+            if part.dtype != dtype or not part.flags.c_contiguous or not page_locked(part.ctypes.data, part.nbytes):
+                return None
+        return RowParts(parts, rows)
 
     def release(self) -> None:
         """Free the session (and its graphs), the buffers and the stream on the context's thread, then stop the

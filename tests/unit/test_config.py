@@ -185,3 +185,16 @@ def test_loading_and_routing_options_are_checked(doc, fragment):
     with pytest.raises(ConfigError) as exc:
         parse_config(doc)
     assert fragment in str(exc.value)
+
+
+def test_uvloop_without_uvloop_installed_is_a_config_error_at_load(monkeypatch):
+    """server.event_loop: uvloop on a machine without uvloop fails when the config loads (one message, exit 2),
+    not inside each process multi-process mode has already started."""
+    import importlib.util
+
+    doc = {"server": {"event_loop": "uvloop"}, "models": [{"name": "m", "path": "zoo:tiny_cnn"}]}
+    assert parse_config(doc).server.event_loop == "uvloop"  # installed here (extra "test")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"event_loop uvloop: uvloop is not installed"):
+        parse_config(doc)

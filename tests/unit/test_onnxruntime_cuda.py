@@ -193,6 +193,52 @@ def test_registered_memory_is_sent_without_a_staging_copy(device, tmp_path):
     ctx.release()
 
 
+def test_batch_of_registered_requests_is_sent_part_by_part_without_stacking(device, tmp_path):
+    """Requests whose inputs lie in registered memory (multi-process mode's shared areas) are not stacked on the
+    host: the batch goes to the device as one DMA per request from where each lies, the padding rows are zeroed on
+    the device, and the outputs equal the stacked path's exactly; one pageable request sends the batch back to
+    stacking into the staging buffer."""
+    from batcher.batching import Pending, shape_key
+    from batcher.executor import run_batch, stage_batch
+    from engines.base import RowParts
+
+    ctx = _engine(tmp_path).create_context()
+    area = np.zeros((8, 4), np.float32)  # stands in for a front end's shared area, registered as the engine does
+    reg = cuda.HostRegistration(area.ctypes.data, area.nbytes)
+    area[:] = np.arange(32, dtype=np.float32).reshape(8, 4) / 7
+    views = [area[0:1], area[1:3], area[5:7]]  # 5 rows: padded to 8
+    batch = [Pending({"x": v}, len(v), shape_key({"x": v}), arrival=0.0) for v in views]
+    staging = ctx.host_buffer("x", (8, 4), np.float32)
+    staging[:] = -1.0
+    srcs = []
+    real = device.fake.cudart.cudaMemcpyAsync
+
+    def spy(dst, src, count, kind, stream):
+        srcs.append((int(src), int(count), int(kind)))
+        return real(dst, src, count, kind, stream)
+
+    device.fake.cudart.cudaMemcpyAsync = spy
+    staged = stage_batch(ctx, batch, "m", None, allowed=(1, 2, 4, 8))
+    assert isinstance(staged.inputs["x"], RowParts) and staged.inputs["x"].shape == (8, 4) and staged.pad == 3
+    result = run_batch(ctx, staged, "m", (1, 2, 4, 8))
+    assert [(s, c) for s, c, k in srcs if k == 1] == [(v.ctypes.data, v.nbytes) for v in views]  # no host copy
+    np.testing.assert_array_equal(staging, -1.0)  # the staging buffer was not touched
+    for v, got in zip(views, result.outcomes):
+        np.testing.assert_allclose(got["y"], _want(v), rtol=1e-6, atol=1e-6)
+    # the padding rows reached the device as zeros: the device buffer's rows 5..7 are 0
+    dev = ctx._buffers.device["x"]
+    np.testing.assert_array_equal(np.frombuffer(device.gpu.read(dev.ptr + 5 * 16, 3 * 16), np.float32), 0.0)
+
+    pageable = np.full((1, 4), 3.0, np.float32)  # one request outside the registered memory: stacked as before
+    mixed = batch[:1] + [Pending({"x": pageable}, 1, shape_key({"x": pageable}), arrival=0.0)]
+    staged = stage_batch(ctx, mixed, "m", None, allowed=(1, 2, 4, 8))
+    assert isinstance(staged.inputs["x"], np.ndarray) and staged.inputs["x"].ctypes.data == staging.ctypes.data
+    out = run_batch(ctx, staged, "m", (1, 2, 4, 8)).outcomes
+    np.testing.assert_allclose(out[1]["y"], _want(pageable), rtol=1e-6, atol=1e-6)
+    reg.unregister()
+    ctx.release()
+
+
 def test_only_allowed_sizes_and_the_models_dims_run(device, tmp_path):
     eng = _engine(tmp_path)
     ctx = eng.create_context()
