@@ -423,3 +423,13 @@ def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib
     assert not (out / "sweep.png").exists()
     assert [line for line in captured.err.splitlines() if "matplotlib" in line] == [report.NO_MATPLOTLIB]
     assert "p99 ms" in captured.out  # the table is still printed
+
+
+def test_busy_suite_reads_pytests_summary_line():
+    from bench.busy_suite import summary_counts
+
+    out = "....F\n=== short test summary info ===\nFAILED tests/x.py::t\n3 failed, 700 passed, 2 skipped, 1 error in 9.1s\n"
+    assert summary_counts(out) == {"passed": 700, "failed": 3, "errors": 1, "skipped": 2}
+    assert summary_counts("718 passed in 234.82s (0:03:54)\n") == {"passed": 718, "failed": 0, "errors": 0,
+                                                                   "skipped": 0}
+    assert summary_counts("no tests ran\n") == {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
