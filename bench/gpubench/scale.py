@@ -72,6 +72,7 @@ def summary(row: dict, raw: list[dict], args, **keys) -> dict:
     ref = raw_at(raw, args.model, args.precision, batch)
     return {**keys, "qps": round(float(row["achieved_qps"]), 1), "p50_ms": round(float(row["p50_ms"]), 2),
             "p99_ms": round(float(row["p99_ms"]), 2), "avg_batch": round(batch, 2), "errors": row["errors"],
+            "errors_by_status": row.get("errors_by_status", ""),
             "server_cpu_ms_per_request": round(row["server_cpu_ms_per_request"], 3),
             "machine_busy_cores": f"{row['machine_busy_cores']:.1f}/{os.cpu_count()}",
             "raw_rows_per_s_at_batch": round(ref, 1) if ref else None,
