@@ -219,8 +219,10 @@ class CudaGraphContext(CudaContext):
         dtype = self._dtypes.get(name)
         if dtype is None or name in self._output_names or rows > max(self._sizes):
             return None
+        row_shape = parts[0].shape[1:]
         for part in parts:
-            if part.dtype != dtype or not part.flags.c_contiguous or not page_locked(part.ctypes.data, part.nbytes):
+            if (part.dtype != dtype or part.shape[1:] != row_shape or not part.flags.c_contiguous
+                    or not page_locked(part.ctypes.data, part.nbytes)):
                 return None
         return RowParts(parts, rows)
 
