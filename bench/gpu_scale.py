@@ -21,6 +21,8 @@ CPU per request (all its processes) and the ratio to the raw engine's rows/s at 
   measure: 16), alone then together: what each keeps, and the seed's ratio;
 * (g) ``scale_g_gpus``: ``gpus: [0]`` against ``gpus: [0, 1]`` (one engine process and queue per GPU), twice the
   clients on two; skipped on a machine with one GPU.
+* (p) ``scale_p_threads`` (and, with py-spy, ``scale_p_functions``): CPU per thread of every server process at
+  saturation, the largest ``--frontends``; where the CPU goes (:mod:`bench.gpubench.profile`).
 
 Progress lines are flushed as each step ends; each part writes ``OUT/<part>.csv``, ``.md`` (and ``.png``) when it
 ends. ``--device cpu`` runs the parts on the CPU provider with tiny settings: a dry run of the code, not a
@@ -40,7 +42,7 @@ from bench.scripts import comma_list, script_parser
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpu_scale", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_scale"), help="folder for CSV, tables, PNG")
-    p.add_argument("--parts", default="r,n,m,t,g", help="which parts: r (raw engine), n, m, t, g")
+    p.add_argument("--parts", default="r,n,m,t,g", help="which parts: r (raw engine), n, m, t, g, p")
     p.add_argument("--model", default="resnet18", help="zoo model (default: resnet18)")
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"], help="GPU precision")
     p.add_argument("--instances", type=int, default=1, help="execution contexts per GPU (default: 1)")
@@ -52,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="(r): seconds per batch size")
+    p.add_argument("--profile-seconds", type=float, default=4.0, help="(p): seconds of CPU sampling")
+    p.add_argument("--py-spy", default=None, help="(p): the py-spy binary (default: py-spy on PATH, else none)")
     add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
     args = p.parse_args(argv)
-    parts = chosen_parts(p, args.parts, "r,n,m,t,g")
+    parts = chosen_parts(p, args.parts, "r,n,m,t,g,p")
     args.kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     if args.device == "cpu":
         args.precision = "fp32"
@@ -65,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_parts(parts: set[str], args) -> None:
     """The raw engine (always: the ratios' reference), then each part asked for, in order."""
-    from bench.gpubench import scale
+    from bench.gpubench import profile, scale
     from bench.gpubench.raw import part_a
 
     t0 = time.perf_counter()
     say(f"== (r) raw engine: {args.model} {args.precision}")
     raw = part_a([args.model], [args.precision], args.device, args.raw_seconds, args.out)
     for key, title, fn in (("n", "front ends", scale.part_frontends), ("m", "system shared memory", scale.part_shm),
-                           ("t", "retention", scale.part_retention), ("g", "two GPUs", scale.part_gpus)):
+                           ("t", "retention", scale.part_retention), ("g", "two GPUs", scale.part_gpus),
+                           ("p", "where the CPU goes", profile.part_profile)):
         if key in parts:
             say(f"== ({key}) {title} ({time.perf_counter() - t0:.0f} s)")
             fn(raw, args, args.out)
