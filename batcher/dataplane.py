@@ -314,7 +314,8 @@ class DataPlane:
         if model is None:
             slots = [s for s in repo.all() if s.selected]
         elif version is None:
-            slots = [repo.slots[repo.slot(model).name][v] for v in repo.served_versions(model)]
+            name = repo.slot(model).name  # ModelNotFound (404) before anything else looks the name up
+            slots = [repo.slots[name][v] for v in repo.served_versions(name)]
         else:
             slots = [repo.slot(model, version)]
         return {"model_stats": [s.stats.json(s.name, s.version) for s in slots]}

@@ -180,6 +180,9 @@ async def test_metadata_config_and_statistics():
     stats = dp.statistics("m")["model_stats"][0]
     assert stats["inference_count"] == 3 and stats["execution_count"] == 1
     assert stats["batch_stats"][0]["batch_size"] == 3
+    for model, version in (("nope", None), ("nope", "1"), ("m", "9")):  # 404s, not a KeyError (a 500)
+        with pytest.raises(ModelNotFound, match="unknown model 'nope'|version"):
+            dp.statistics(model, version)
     await dp.close()
 
 
