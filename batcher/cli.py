@@ -133,13 +133,25 @@ def _zoo() -> int:
 def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (port 0: an ephemeral one), not yet listening: the server binds before
     any model loads, so a port in use is reported at once; it listens once the models are loaded. ``reuse_port``
-    (multi-process mode): ``SO_REUSEPORT``, so that the front ends can listen on the same port.
+    (multi-process mode): ``SO_REUSEPORT``, so that the front ends can listen on the same port; the port is first
+    bound without it, so a port another server listens on (with ``SO_REUSEPORT`` or not) is in use here too.
 
     Raises:
         OSError: the address cannot be resolved or bound (e.g. the port is in use).
     """
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
+    if reuse_port:
+        # SO_REUSEPORT would let this server join another one's listeners on the port (any process of the same
+        # user that set it too), and the kernel would split connections between two servers: first claim the
+        # port without it, which fails while anything listens there (and picks the port for port 0).
+        probe = _bind(family, kind, proto, address, reuse_port=False)
+        address = probe.getsockname()
+        probe.close()
+    return _bind(family, kind, proto, address, reuse_port)
+
+
+def _bind(family: int, kind: int, proto: int, address: tuple, reuse_port: bool) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does on Unix

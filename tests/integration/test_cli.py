@@ -8,6 +8,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "batcher", *args], capture_output=True, text=True, timeout=60)
@@ -92,14 +94,19 @@ def test_serve_on_port_0_logs_the_port_it_got(tmp_path, cache_dir):
     assert proc.returncode == 0
 
 
-def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, cache_dir):
+@pytest.mark.parametrize("frontends", ["0", "1"])
+def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, cache_dir, frontends):
+    """Also when the server listening there set SO_REUSEPORT (another server's front ends do): multi-process mode
+    must not join its listeners (a fresh user's second server did, and the kernel split the traffic)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("models:\n  - {name: m, path: 'zoo:resnet18'}\n")
     with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = _cli("serve", "--config", str(cfg), "--port", str(port))
+        r = _cli("serve", "--config", str(cfg), "--port", str(port), "--frontends", frontends)
     assert r.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in r.stderr
     assert "load model" not in r.stderr and "resnet18" not in r.stderr  # it never got to the models
