@@ -129,14 +129,23 @@ class SystemRegion(Region):
             start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap's offset must be page-aligned
             self._map: mmap.mmap | None = mmap.mmap(fd, offset + byte_size - start, offset=start)
             self._base = offset - start
-        except OSError as exc:
-            raise InvalidInput(f"{what}: cannot map key {key!r}: {exc.strerror}") from None
-        finally:
+        except BaseException as exc:
             os.close(fd)
+            if isinstance(exc, OSError):
+                raise InvalidInput(f"{what}: cannot map key {key!r}: {exc.strerror}") from None
+            raise
+        self._fd = fd  # kept: each use checks the segment's size again (fstat)
 
     def _view(self, offset: int, nbytes: int) -> np.ndarray:
         if self._map is None:
             raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")
+        # a segment the client truncated after registering: touching the mapping past its new end would kill the
+        # process with SIGBUS. Checked at every read and write (one fstat); a truncation after this check and
+        # before the batch is copied is not caught (the extension is for trusted clients, see the README).
+        size = os.fstat(self._fd).st_size
+        if self.offset + self.byte_size > size:
+            raise InvalidInput(f"system shared memory region '{self.name}': segment {self.key!r} is now {size} bytes, "
+                               f"smaller than the registered offset {self.offset} + byte_size {self.byte_size}")
         return np.frombuffer(self._map, np.uint8, nbytes, self._base + offset)
 
     def read(self, ref: ShmRef, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -152,6 +161,9 @@ class SystemRegion(Region):
 
     def close(self) -> None:
         mapping, self._map = self._map, None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
         if mapping is not None:
             try:
                 mapping.close()

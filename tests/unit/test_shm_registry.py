@@ -381,3 +381,21 @@ async def test_data_plane_close_unmaps_registered_regions(segment):
     assert mappings(seg) == 2
     await dp.close()
     assert mappings(seg) == 1
+
+
+async def test_a_segment_truncated_after_registration_is_a_400_not_a_bus_error(segment):
+    """A client that shrinks its segment after registering it: reading the region would touch the mapping past the
+    segment's end and kill the server with SIGBUS (a fresh user did exactly this); each use checks the size first."""
+    seg = segment(8192)
+    reg = registry()
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=8192)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    put(seg, 4096, x)
+    async with reg.hold(request({"x": ShmInput("FP32", (1, 4), ShmRef("r", 4096, 16))})) as held:
+        np.testing.assert_array_equal((await held.inputs())["x"], x)  # intact: read as usual
+    os.ftruncate(seg._fd, 4096)  # the client shrinks it (this test never touches its own mapping past 4096 again)
+    with pytest.raises(InvalidInput, match=r"region 'r': segment .* is now 4096 bytes, smaller than the registered "
+                                           r"offset 0 \+ byte_size 8192"):
+        async with reg.hold(request({"x": ShmInput("FP32", (1, 4), ShmRef("r", 4096, 16))})) as held:
+            await held.inputs()
+    await reg.unregister("system", "r")
