@@ -100,6 +100,12 @@ def _check(config, load: bool) -> int:
 
     from .loader import load_model
 
+    from .topology import selected_versions
+
+    by_name: dict[str, list] = {}
+    for m in config.models:
+        by_name.setdefault(m.name, []).append(m)
+    served = {name: selected_versions(cfgs) for name, cfgs in by_name.items()}
     problems = 0
     for i, m in enumerate(config.models):
         where = f"models[{i}]"
@@ -113,7 +119,8 @@ def _check(config, load: bool) -> int:
             print(f"batcher: {where}: {exc}" if isinstance(exc, ZooError) else f"batcher: {exc}", file=sys.stderr)
             problems += 1
             continue
-        print(f"{m.name} v{m.version}: {path} ({m.backend}, {m.device}, instances {m.instances})")
+        note = "" if m.version in served[m.name] else "; not served: outside its version_policy"
+        print(f"{m.name} v{m.version}: {path} ({m.backend}, {m.device}, instances {m.instances}{note})")
     return 2 if problems else 0
 
 

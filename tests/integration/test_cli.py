@@ -110,3 +110,15 @@ def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, cache_dir, f
     assert r.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in r.stderr
     assert "load model" not in r.stderr and "resnet18" not in r.stderr  # it never got to the models
+
+
+def test_check_config_marks_versions_its_version_policy_does_not_serve(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n"
+                   "  - {name: t, version: 1, path: 'zoo:tiny_cnn'}\n"
+                   "  - {name: t, version: 2, path: 'zoo:tiny_cnn', version_policy: {latest: 1}}\n")
+    r = _cli("check-config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("t v1:") and lines[0].endswith("; not served: outside its version_policy)")
+    assert lines[1].startswith("t v2:") and "not served" not in lines[1]
