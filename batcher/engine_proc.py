@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 from typing import Any
 
@@ -45,9 +46,12 @@ log = logging.getLogger(__name__)
 class FrontendConnection:
     """One front end's connection: its shared area, its requests in progress and their acknowledgements."""
 
-    def __init__(self, server: EngineServer, index: int) -> None:
+    def __init__(self, server: EngineServer, index: int, peer_pid: int | None = None) -> None:
         self.server = server
         self.index = index
+        #: how the log names this front end: by its pid, as the supervisor's lines do (its own counter of
+        #: connections would drift from the supervisor's front-end numbers after restarts)
+        self.who = f"front end (pid {peer_pid})" if peer_pid else f"front end {index}"
         self.dataplane = server.dataplane
         half = server.buffer_bytes // 2
         self.area = Area(server.buffer_bytes)
@@ -77,12 +81,12 @@ class FrontendConnection:
         elif kind == CALL:
             asyncio.get_running_loop().create_task(self._call(*msg[1:]))
         else:
-            log.error("front end %d sent an unknown message kind %r", self.index, kind)
+            log.error("%s sent an unknown message kind %r", self.who, kind)
 
     def _on_lost(self) -> None:
         """The front end is gone: drop its requests (counted ``dropped``); the area goes with the last view."""
         if self.tasks:
-            log.warning("front end %d is gone: dropping its %d request(s) in progress", self.index, len(self.tasks))
+            log.warning("%s is gone: dropping its %d request(s) in progress", self.who, len(self.tasks))
         for task in list(self.tasks.values()):
             task.cancel(FRONTEND_LOST)
         asyncio.get_running_loop().create_task(self._close_when_idle())
@@ -157,7 +161,7 @@ class FrontendConnection:
         except asyncio.CancelledError:
             outcome = None  # nobody waits for an answer: the client or its front end is gone
         except Exception as exc:  # a bug: the front end answers 500
-            log.exception("request %d of front end %d failed", rid, self.index)
+            log.exception("request %d of %s failed", rid, self.who)
             outcome = error_tuple(exc)
         finally:
             uncount()
@@ -185,7 +189,7 @@ class FrontendConnection:
             self.channel.send((REPLY, cid, True, value))
         except Exception as exc:
             if not isinstance(exc, BatcherError):
-                log.exception("call %s%r from front end %d failed", method, args, self.index)
+                log.exception("call %s%r from %s failed", method, args, self.who)
             self.channel.send((REPLY, cid, False, error_tuple(exc)))
 
 
@@ -239,7 +243,11 @@ class EngineServer:
                 sock.close()
 
     async def _open(self, sock: socket.socket) -> None:
-        conn = FrontendConnection(self, self._next_index)
+        try:  # the peer's pid from the kernel (Linux SO_PEERCRED: pid, uid, gid)
+            peer_pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except (OSError, AttributeError):
+            peer_pid = None
+        conn = FrontendConnection(self, self._next_index, peer_pid)
         self._next_index += 1
         hello = {"pid": os.getpid(), "device": self.device, "area_bytes": self.buffer_bytes,
                  "slots": list(self.slot_index)}

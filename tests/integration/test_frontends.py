@@ -205,6 +205,8 @@ async def test_kill_9_of_a_front_end_loses_only_its_requests_and_of_the_engine_a
         assert all(results[i] == 200 for i in others if owners[i] != victim)
         labels = {"model": "mid_cnn", "version": "1"}
         assert server.metric("batcher_request_failure_total", reason="dropped", **labels) == len(lost)
+        # the engine names the front end by the pid the supervisor's lines give it, not by its own count
+        _wait_log(server, rf"front end \(pid {victim}\) is gone: dropping its {len(lost)} request")
         _wait_log(server, r"frontend-\d ready", count=3)  # started again
         assert server.metric("batcher_process_restart_total", process="frontend") == 1
         assert all(st == 200 for st in await asyncio.gather(*(post(s, 1) for s in sessions[1:])))
