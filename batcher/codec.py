@@ -55,6 +55,9 @@ def _int_param(params: dict[str, Any], key: str, where: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, float) and v.is_integer() and abs(v) >= 2**63:  # the JSON parser's floats for huge integers
+            raise InvalidInput(f"{where}.{key}: expected a non-negative integer of at most 64 bits, got one of about "
+                               f"{v:.3g}")
         raise InvalidInput(f"{where}.{key}: expected a non-negative integer, got {_literal(v)}")
     return v
 

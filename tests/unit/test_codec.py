@@ -355,3 +355,15 @@ def test_a_shape_of_more_than_64_dimensions_is_a_400():
         decode_request(body)
     ok = orjson.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1] * 64, "data": [1.0]}]})
     assert decode_request(ok).inputs["a"].ndim == 64
+
+
+def test_an_integer_parameter_beyond_64_bits_is_named_as_one():
+    """The JSON parser turns integers beyond 64 bits into floats; the message says what the client sent (a fresh
+    user read "got 1e+30" for a timeout of 10**30)."""
+    body = b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}], ' \
+           b'"parameters": {"timeout": 1000000000000000000000000000000}}'
+    with pytest.raises(InvalidInput, match=r"timeout: expected a non-negative integer of at most 64 bits, got one "
+                                           r"of about 1e\+30"):
+        decode_request(body)
+    with pytest.raises(InvalidInput, match=r"timeout: expected a non-negative integer, got 1.5$"):
+        decode_request(body.replace(b"1000000000000000000000000000000", b"1.5"))
