@@ -307,8 +307,7 @@ class DataPlane:
     def statistics(self, model: str | None = None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension for every served version, one model's, or one version's.
 
-        Raises:
-            ModelNotFound: unknown model or version.
+        Raises: ModelNotFound (404): unknown model or version.
         """
         repo = self.repository
         if model is None:
