@@ -77,9 +77,13 @@ class Upload:
         return await self.answer()
 
     async def answer(self) -> tuple[int, bytes]:
-        data = await self.reader.read()
+        """The answer's status and body (read by its Content-Length: the server may keep the connection open for
+        a while to drain a body it did not read)."""
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        body = await self.reader.readexactly(length)
         self.writer.close()
-        head, _, body = data.partition(b"\r\n\r\n")
         return int(head.split()[1]), body
 
     def hang_up(self) -> None:
