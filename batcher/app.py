@@ -18,6 +18,7 @@ from aiohttp import web
 
 from .config import Config
 from . import httplog
+from .bodies import BodyBudget
 from .errors import BatcherError
 from .dataplane import DataPlane
 from .keys import CONFIG, DATAPLANE, METRICS
@@ -95,9 +96,12 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
     """
     httplog.install()  # malformed HTTP is the client's mistake: INFO, no traceback, rate-limited
     # bodies are read and decoded by batcher.bodies, within the limit: aiohttp's own decompression is off
-    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[errors_middleware],
-                          handler_args={"auto_decompress": False})
     metrics = Metrics()
+    # every request body in memory counts against this process's budget, held until the request's handler returns
+    metrics.inflight_body_budget.set(config.server.max_inflight_body_bytes)
+    bodies = BodyBudget(config.server.max_inflight_body_bytes, metrics.inflight_body_bytes)
+    app = web.Application(client_max_size=config.server.max_body_bytes,
+                          middlewares=[errors_middleware, bodies.middleware()], handler_args={"auto_decompress": False})
     app[CONFIG] = config
     app[METRICS] = metrics
     if remote is None:

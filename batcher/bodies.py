@@ -15,18 +15,31 @@ for plain JSON. Here, one rule for every coding (RFC 9110, 8.4):
   over the limit is refused before anything is read.
 * Whatever was read of a refused body is dropped before the error is raised, so nothing of it stays referenced
   from the exception's traceback until the cyclic garbage collector runs.
+* Multi-member gzip (RFC 1952, 2.2: ``cat a.gz b.gz``) decodes every member, the output cap counting across them;
+  anything after a member that does not start a new one is a 400. ``deflate`` has no members: data after its end is
+  a 400.
+
+Every request body also counts against the process's :class:`BodyBudget` (``server.max_inflight_body_bytes``): the
+bytes of bodies being read or held, summed over the process's requests, stay under it. A request reserves its
+declared ``Content-Length`` before anything is read (a chunked body: each chunk as it arrives; a coded body: its
+decoded bytes too, as they come out of the decoder) and keeps the reservation until its handler returns: binary
+tensors view the body (``np.frombuffer``), so the body lives as long as the request. A reservation that does not
+fit now is a **503** with ``Retry-After`` (counted as reason ``rejected``); one larger than the whole budget can
+never fit: **413**. Not counted: the final ``b"".join`` of a body's parts (a second copy of one complete body, for
+an instant) and aiohttp's per-connection read buffer (64 KiB, reading paused at twice that).
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import Gauge
 
-from .errors import InvalidInput, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from .errors import BatcherError, InvalidInput, PayloadTooLarge, RequestTimeout, Unavailable, UnsupportedMediaType
 
 try:  # optional: aiohttp's speedups and many distributions install it
     import brotli
@@ -35,30 +48,42 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 #: bytes read from the socket at a time
 CHUNK = 256 * 1024
+#: the first two bytes of every gzip member (RFC 1952, 2.3.1)
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class _Zlib:
-    """gzip or deflate, streaming, with the output capped per call."""
+    """gzip (every member) or deflate (one stream), streaming, with the output capped per call."""
 
     def __init__(self, coding: str) -> None:
         self.coding = coding
         self._d: zlib._Decompress | None = None
 
+    def _start(self, data: bytes) -> zlib._Decompress:
+        if self.coding == "deflate":  # zlib header (RFC 1950) or raw deflate
+            wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            return zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+
     def feed(self, data: bytes, cap: int) -> bytes:
+        """At most ``cap`` (>= 1) bytes of output; reaching ``cap`` means the caller refuses the body."""
         if self._d is None:
-            if self.coding == "deflate":  # zlib header (RFC 1950) or raw deflate
-                wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
-                self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
-            else:
-                self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        if self._d.eof:
-            if data:
-                raise zlib.error("data after the end of the compressed stream")
-            return b""
-        out = self._d.decompress(data, cap)
-        if self._d.eof and self._d.unused_data:
-            raise zlib.error("data after the end of the compressed stream")
-        return out
+            self._d = self._start(data)
+        out: list[bytes] = []
+        n = 0
+        while True:
+            if self._d.eof:  # the member (gzip) or stream (deflate) has ended; data is what follows it
+                if not data:
+                    break
+                if self.coding == "deflate" or not GZIP_MAGIC.startswith(data[:2]):
+                    raise zlib.error("data after the end of the compressed stream")
+                self._d = self._start(data)  # the next gzip member
+            out.append(self._d.decompress(data, cap - n))
+            n += len(out[-1])
+            if not self._d.eof or n >= cap:  # needs more input, or the output reached the cap
+                break
+            data = self._d.unused_data
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def finish(self) -> None:
         if self._d is None or not self._d.eof:
@@ -100,57 +125,148 @@ def content_codings(header: str | None) -> list[str]:
     return codings
 
 
+class BodyBudget:
+    """The bytes of request bodies this process may hold at once: ``server.max_inflight_body_bytes``.
+
+    One per aiohttp application (each front-end process of multi-process mode has its own). Requests take
+    :class:`Reservation` s from it (:func:`read_body`); :meth:`middleware` gives each request one and releases it
+    when the request's handler returns or raises, on every path (answer, error, timeout, client gone).
+
+    Args:
+        capacity: bytes, at least ``server.max_body_bytes`` (:class:`batcher.config.ServerConfig` checks).
+        gauge: ``batcher_inflight_body_bytes``, set to :attr:`used` on every change.
+    """
+
+    def __init__(self, capacity: int, gauge: Gauge | None = None) -> None:
+        self.capacity = capacity
+        #: bytes reserved now, over every request of the process
+        self.used = 0
+        self._gauge = gauge
+
+    def _take(self, held: int, n: int) -> None:
+        if held + n > self.capacity:
+            raise PayloadTooLarge(f"request body of at least {held + n} bytes (its decoded form counted too) is over "
+                                  f"server.max_inflight_body_bytes = {self.capacity}")
+        if self.used + n > self.capacity:
+            raise Unavailable(f"the server is busy reading other request bodies ({self.used} of "
+                              f"server.max_inflight_body_bytes = {self.capacity} bytes held); this one needs {n} "
+                              "more: retry later")
+        self.used += n
+        if self._gauge is not None:
+            self._gauge.set(self.used)
+
+    def _give(self, n: int) -> None:
+        self.used -= n
+        if self._gauge is not None:
+            self._gauge.set(self.used)
+
+    def middleware(self) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]],
+                                     Awaitable[web.StreamResponse]]:
+        """The aiohttp middleware that gives each request its :class:`Reservation` and releases it afterwards."""
+
+        @web.middleware
+        async def hold_bodies(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                              ) -> web.StreamResponse:
+            held = request[RESERVATION] = Reservation(self)
+            try:
+                return await handler(request)
+            finally:
+                held.release()
+
+        return hold_bodies
+
+
+class Reservation:
+    """One request's share of a :class:`BodyBudget`, in bytes (:attr:`held`)."""
+
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def grow(self, n: int) -> None:
+        """Reserve ``n`` more bytes.
+
+        Raises:
+            Unavailable (503 + Retry-After): they do not fit beside the other requests' now.
+            PayloadTooLarge (413): this request's reservation would be over the whole budget.
+        """
+        self.budget._take(self.held, n)
+        self.held += n
+
+    def release(self) -> None:
+        """Give back everything (idempotent)."""
+        self.budget._give(self.held)
+        self.held = 0
+
+
+#: the request's :class:`Reservation`, set by :meth:`BodyBudget.middleware`
+RESERVATION = web.RequestKey("body_reservation", Reservation)
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The request's body, decoded, at most ``max_bytes`` long.
+    """The request's body, decoded, at most ``max_bytes`` long, counted against the process's :class:`BodyBudget`
+    (the request's :data:`RESERVATION`, released by :meth:`BodyBudget.middleware` when its handler returns).
 
     Raises:
         UnsupportedMediaType (415): unknown content coding. PayloadTooLarge (413): the body, or its decoded form,
-        is over ``max_bytes``. InvalidInput (400): it does not decode. RequestTimeout (408): it did not arrive within
-        ``timeout_s``.
+        is over ``max_bytes``, or the body with its decoded form over the whole budget. Unavailable (503 +
+        Retry-After): the budget has no room for it now (nothing read). InvalidInput (400): it does not decode.
+        RequestTimeout (408): it did not arrive within ``timeout_s``.
     """
+    held = request[RESERVATION]
     codings = content_codings(request.headers.get("Content-Encoding"))
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
+    if declared is not None:
+        held.grow(declared)  # before anything is read: a body that does not fit is refused unread
     if not codings and declared is not None and request.content.is_eof():
         return await request.read()  # all of it has arrived already (most small requests): no timer, no task
     try:
-        return await asyncio.wait_for(_read(request, codings, max_bytes), timeout_s)
+        return await asyncio.wait_for(_read(request, codings, max_bytes, held, declared is None), timeout_s)
     except asyncio.TimeoutError:
         raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
 
 
-async def _read(request: web.Request, codings: list[str], max_bytes: int) -> bytes:
+async def _read(request: web.Request, codings: list[str], max_bytes: int, held: Reservation, chunked: bool) -> bytes:
+    """The body, read chunk by chunk; ``held`` grows by each chunk of a ``chunked`` body (no declared length) as it
+    arrives, and by the decoded bytes of a coded body as they come out of the decoders."""
     decoders = [DECODERS[c]() for c in reversed(codings)]
     parts: list[bytes] = []
     chunk = b""
     size = 0
-    too_large = bad = None
+    refused: BatcherError | None = None
     try:
         async for chunk in request.content.iter_chunked(CHUNK):
+            if chunked:
+                held.grow(len(chunk))
             for d in decoders:  # each decoded form is capped: a coding never inflates past the limit
                 chunk = d.feed(chunk, max_bytes - size + 1)
                 if size + len(chunk) > max_bytes:
                     break
             size += len(chunk)
             if size > max_bytes:
-                too_large = size
+                what = " (decoded)" if codings else ""
+                refused = PayloadTooLarge(f"request body{what} is over server.max_body_bytes = {max_bytes} bytes")
                 break
+            if decoders:
+                held.grow(len(chunk))
             parts.append(chunk)
         else:
             for d in decoders:
                 d.finish()
     except _ERRORS as exc:
-        bad = f"request body does not decode as Content-Encoding {', '.join(codings)}: {exc}"
+        refused = InvalidInput(f"request body does not decode as Content-Encoding {', '.join(codings)}: {exc}")
     except HttpProcessingError as exc:  # e.g. broken chunked framing, found while the body streams in
-        bad = f"request body is not well-formed HTTP: {exc.message}"
-    if too_large is not None or bad is not None:
+        refused = InvalidInput(f"request body is not well-formed HTTP: {exc.message}")
+    except (PayloadTooLarge, Unavailable) as exc:  # the budget's
+        refused = exc
+    if refused is not None:
         # nothing of a refused body may stay referenced from this frame: the exception's traceback holds the frame,
         # and asyncio's wait_for makes that a reference cycle, freed only by the cyclic garbage collector
         parts.clear()
         chunk = decoders = None  # noqa: F841
-        if bad is not None:
-            raise InvalidInput(bad)
-        what = " (decoded)" if codings else ""
-        raise PayloadTooLarge(f"request body{what} is over server.max_body_bytes = {max_bytes} bytes")
+        raise refused
     return b"".join(parts)

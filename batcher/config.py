@@ -33,14 +33,16 @@ from .model_config import (MOVED_KEYS, DynamicBatching, InputConfig, InstanceGro
                            ProfileShapesConfig, QueuePolicy, SpecificPolicy, TensorRTBuildConfig, _Strict)
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES", "MOVED_KEYS", "Config", "DynamicBatching", "InputConfig", "InstanceGroup", "LatestPolicy",
-    "ModelConfig", "ProfileShapesConfig", "QueuePolicy", "RoutingConfig", "ServerConfig", "SharedMemoryConfig",
-    "SpecificPolicy", "TensorRTBuildConfig", "default_config_text", "load_config", "parse_config",
-    "with_paths_relative_to",
+    "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_INFLIGHT_BODY_BYTES", "MOVED_KEYS", "Config", "DynamicBatching",
+    "InputConfig", "InstanceGroup", "LatestPolicy", "ModelConfig", "ProfileShapesConfig", "QueuePolicy",
+    "RoutingConfig", "ServerConfig", "SharedMemoryConfig", "SpecificPolicy", "TensorRTBuildConfig",
+    "default_config_text", "load_config", "parse_config", "with_paths_relative_to",
 ]
 
 #: body limit default: a batch-32 224x224 FP32 request is 19.3 MB in binary and ~80-100 MB as JSON text.
 DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
+#: budget of request bodies in memory at once, per process: 8 bodies of the default limit (or max_body_bytes, if more)
+DEFAULT_MAX_INFLIGHT_BODY_BYTES = 1024 * 1024 * 1024
 
 
 class SharedMemoryConfig(_Strict):
@@ -64,6 +66,10 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     #: request bodies above this get 413.
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    #: request bodies being read or held, summed over the process's requests, stay under this (batcher.bodies):
+    #: a body that does not fit now gets 503 + Retry-After, unread. At least max_body_bytes; default 1 GiB, or
+    #: max_body_bytes when that is more. Multi-process mode: per front-end process.
+    max_inflight_body_bytes: int = Field(DEFAULT_MAX_INFLIGHT_BODY_BYTES, ge=1024)
     #: the most elements one input tensor may hold (400 beyond; 2**28 FP32 elements are 1 GiB).
     max_tensor_elements: int = Field(1 << 28, ge=1)
     #: a request body must arrive within this many seconds (slow or stalled uploads get 408).
@@ -100,8 +106,20 @@ class ServerConfig(_Strict):
     #: every process's event loop; uvloop (extra "uvloop") costs less CPU, its timers tick in milliseconds
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _inflight_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_inflight_body_bytes" not in data:
+            limit = data.get("max_body_bytes")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > DEFAULT_MAX_INFLIGHT_BODY_BYTES:
+                data = {**data, "max_inflight_body_bytes": limit}
+        return data
+
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below max_body_bytes "
+                             f"({self.max_body_bytes}): a body under the limit could never be read")
         if self.load_strategy == "lru" and self.memory_budget_mb is None:
             raise ValueError("load_strategy lru needs memory_budget_mb")
         if self.load_strategy != "lru" and self.memory_budget_mb is not None:

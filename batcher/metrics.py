@@ -139,6 +139,15 @@ class Metrics:
         self.worker_restart = Counter(
             "batcher_worker_restart", "Worker processes (mode: multiproc) replaced after they died", labels, registry=r,
         )
+        self.inflight_body_bytes = Gauge(
+            "batcher_inflight_body_bytes", "Bytes of request bodies being read or held (reserved against "
+            "server.max_inflight_body_bytes; multi-process mode: summed over the front ends)", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.inflight_body_budget = Gauge(
+            "batcher_inflight_body_budget_bytes", "server.max_inflight_body_bytes (multi-process mode: summed over the "
+            "front ends, each has its own)", registry=r, multiprocess_mode="livesum",
+        )
         self.model_load_duration = Histogram(
             "batcher_model_load_duration_seconds", "Time to load a model (engine, contexts, warm-up)", labels,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,

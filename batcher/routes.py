@@ -282,7 +282,8 @@ async def shm_status(request: web.Request) -> web.Response:
 @routes.post(_SHM + "/region/{name}/register")
 async def shm_register(request: web.Request) -> web.Response:
     kind = _shm_kind(request)
-    params = decode_shm_register(kind, await request.read())
+    server = request.app[CONFIG].server
+    params = decode_shm_register(kind, await read_body(request, server.max_body_bytes, server.read_timeout_s))
     await request.app[DATAPLANE].shm_register(kind, request.match_info["name"], **params)
     return _json({})
 

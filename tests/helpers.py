@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import http.client
 
 import numpy as np
 import onnxruntime as ort
@@ -14,6 +15,17 @@ from bench.string_models import string_models  # noqa: F401 - the tests' string 
 from bench.sweep.requests import build_request
 from engines.datatypes import from_numpy
 from engines.zoo import resolve
+
+
+def http_post(server, body, headers: dict | None = None, path: str = "/v2/models/f2str/infer"):
+    """POST ``body`` (bytes, or an iterable of bytes: sent chunked) with http.client; (status, body, headers)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read(), dict(r.getheaders())
+    finally:
+        conn.close()
 
 
 @functools.lru_cache(maxsize=None)

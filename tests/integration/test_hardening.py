@@ -13,7 +13,7 @@ import zlib
 import brotli
 import orjson
 import pytest
-from helpers import string_models
+from helpers import http_post as _post, string_models
 
 from bench.server import ServerProcess
 
@@ -29,16 +29,6 @@ def server(tmp_path_factory, cache_dir):
               "models": [{"name": "f2str", "path": paths["f2str"], "max_batch_size": 4}]}
     with ServerProcess(config, tmp_path_factory.mktemp("hardening")) as s:
         yield s
-
-
-def _post(server, body: bytes, headers: dict | None = None, path: str = "/v2/models/f2str/infer"):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    try:
-        conn.request("POST", path, body=body, headers=headers or {})
-        r = conn.getresponse()
-        return r.status, r.read(), dict(r.getheaders())
-    finally:
-        conn.close()
 
 
 def _get(server, path: str) -> int:

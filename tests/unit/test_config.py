@@ -198,3 +198,15 @@ def test_uvloop_without_uvloop_installed_is_a_config_error_at_load(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
     with pytest.raises(ConfigError, match=r"event_loop uvloop: uvloop is not installed"):
         parse_config(doc)
+
+
+def test_the_inflight_body_budget_is_1_gib_never_below_max_body_bytes():
+    """server.max_inflight_body_bytes: 1 GiB by default, max_body_bytes when that is larger; set below it: an error
+    (a body under the limit could never be read)."""
+    M = [{"name": "a", "path": "p"}]
+    assert parse_config({"models": M}).server.max_inflight_body_bytes == 1 << 30
+    assert parse_config({"server": {"max_body_bytes": 3 << 30}, "models": M}).server.max_inflight_body_bytes == 3 << 30
+    assert parse_config({"server": {"max_body_bytes": 2048, "max_inflight_body_bytes": 2048},
+                         "models": M}).server.max_inflight_body_bytes == 2048
+    with pytest.raises(ConfigError, match=r"max_inflight_body_bytes \(4096\) is below max_body_bytes \(8192\)"):
+        parse_config({"server": {"max_body_bytes": 8192, "max_inflight_body_bytes": 4096}, "models": M})
