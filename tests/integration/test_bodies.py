@@ -118,12 +118,22 @@ async def test_bodies_past_the_budget_get_503_with_retry_after_until_the_held_on
         async with s.post(server.base + INFER, data=BODY) as r:  # fits beside them
             _assert_answer(r.status, await r.read())
         assert await asyncio.to_thread(_gauge, server) == 2 * BIG  # the small one released its bytes
+        # the budget full to the byte: a small plain body that arrives whole (one write) is not counted, so it is
+        # still served; anything counted is refused
+        rest = await Upload(server, _padded(BUDGET - 2 * BIG), 10).start()
+        await _gauge_is(server, BUDGET)
+        status, data, _ = await asyncio.to_thread(_post, server, BODY)
+        _assert_answer(status, data)
+        status, _, headers = await asyncio.to_thread(_post, server, _padded(100_000))  # over UNCOUNTED_BYTES
+        assert status == 503 and headers["Retry-After"] == "1"
+        rest.hang_up()
+        await _gauge_is(server, 2 * BIG)
         for upload in held:
             _assert_answer(*await upload.finish())
         assert await asyncio.to_thread(_gauge, server) == 0  # released before the answers were sent
         async with s.post(server.base + INFER, data=big) as r:
             _assert_answer(r.status, await r.read())
-    assert server.metric("batcher_request_failure_total", reason="rejected", **F2STR) - rejected0 == 1
+    assert server.metric("batcher_request_failure_total", reason="rejected", **F2STR) - rejected0 == 2
     assert server.metric(GAUGE) == 0
 
 
