@@ -97,6 +97,19 @@ def _want(x: np.ndarray) -> np.ndarray:
     return x @ W + B
 
 
+def _copies(device) -> list[tuple[int, int, int]]:
+    """From now on, every ``cudaMemcpyAsync`` of the stand-in recorded as (source address, bytes, kind: 1 = H2D)."""
+    seen: list[tuple[int, int, int]] = []
+    real = device.fake.cudart.cudaMemcpyAsync
+
+    def spy(dst, src, count, kind, stream):
+        seen.append((int(src), int(count), int(kind)))
+        return real(dst, src, count, kind, stream)
+
+    device.fake.cudart.cudaMemcpyAsync = spy
+    return seen
+
+
 # --------------------------------------------------------------------------- graph contexts
 
 
@@ -137,17 +150,10 @@ def test_staging_buffer_is_read_in_place(device, tmp_path):
     assert ctx.host_buffer("x", (16, 4), np.float32) is None  # beyond the largest allowed size
     assert ctx.host_buffer("x", (4, 4), np.float64) is None
     staged[:] = np.arange(16, dtype=np.float32).reshape(4, 4)
-    srcs = []
-    real = device.fake.cudart.cudaMemcpyAsync
-
-    def spy(dst, src, count, kind, stream):
-        srcs.append((int(src), int(kind)))
-        return real(dst, src, count, kind, stream)
-
-    device.fake.cudart.cudaMemcpyAsync = spy
+    srcs = _copies(device)  # (source, bytes, kind) of every cudaMemcpyAsync from here on
     y = ctx.execute({"x": staged})["y"]
     np.testing.assert_allclose(y, _want(np.arange(16, dtype=np.float32).reshape(4, 4)), rtol=1e-6)
-    h2d = [src for src, kind in srcs if kind == 1]
+    h2d = [src for src, _, kind in srcs if kind == 1]
     assert h2d == [staged.ctypes.data]  # straight from the staging buffer, no further host copy
     ctx.release()
 
@@ -160,19 +166,12 @@ def test_two_staging_buffers_each_read_in_place(device, tmp_path):
     first, second = ctx.host_buffer("x", (4, 4), np.float32), ctx.host_buffer("x", (4, 4), np.float32, slot=1)
     assert first.ctypes.data != second.ctypes.data and second.ctypes.data in device.gpu.host
     first[:], second[:] = 1.0, 2.0
-    srcs = []
-    real = device.fake.cudart.cudaMemcpyAsync
-
-    def spy(dst, src, count, kind, stream):
-        srcs.append((int(src), int(kind)))
-        return real(dst, src, count, kind, stream)
-
-    device.fake.cudart.cudaMemcpyAsync = spy
+    srcs = _copies(device)  # (source, bytes, kind) of every cudaMemcpyAsync from here on
     y2 = ctx.execute({"x": second})["y"]
     y1 = ctx.execute({"x": first})["y"]
     np.testing.assert_allclose(y2, _want(np.full((4, 4), 2.0, np.float32)), rtol=1e-6)
     np.testing.assert_allclose(y1, _want(np.full((4, 4), 1.0, np.float32)), rtol=1e-6)
-    assert [src for src, kind in srcs if kind == 1] == [second.ctypes.data, first.ctypes.data]
+    assert [src for src, _, kind in srcs if kind == 1] == [second.ctypes.data, first.ctypes.data]
     ctx.release()
 
 
@@ -210,14 +209,7 @@ def test_batch_of_registered_requests_is_sent_part_by_part_without_stacking(devi
     batch = [Pending({"x": v}, len(v), shape_key({"x": v}), arrival=0.0) for v in views]
     staging = ctx.host_buffer("x", (8, 4), np.float32)
     staging[:] = -1.0
-    srcs = []
-    real = device.fake.cudart.cudaMemcpyAsync
-
-    def spy(dst, src, count, kind, stream):
-        srcs.append((int(src), int(count), int(kind)))
-        return real(dst, src, count, kind, stream)
-
-    device.fake.cudart.cudaMemcpyAsync = spy
+    srcs = _copies(device)
     staged = stage_batch(ctx, batch, "m", None, allowed=(1, 2, 4, 8))
     assert isinstance(staged.inputs["x"], RowParts) and staged.inputs["x"].shape == (8, 4) and staged.pad == 3
     result = run_batch(ctx, staged, "m", (1, 2, 4, 8))
