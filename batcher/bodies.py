@@ -26,10 +26,9 @@ decoded bytes too, as they come out of the decoder) and keeps the reservation un
 tensors view the body (``np.frombuffer``), so the body lives as long as the request. A reservation that does not
 fit now is a **503** with ``Retry-After`` (counted as reason ``rejected``); one larger than the whole budget can
 never fit: **413**. Not counted: the final ``b"".join`` of a body's parts (a second copy of one complete body, for
-an instant), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body of at most
-:data:`UNCOUNTED_BYTES` that has arrived whole with no coding (it lies in that buffer already; counting it cost
-about 5 % of a small request's CPU in ``bench.peers``' front-end test), so what is held beyond the budget is at most
-that much per connection.
+an instant), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body with no coding
+that declares at most :data:`UNCOUNTED_BYTES` (no more than that buffer holds; not counting the small requests keeps
+the budget off their path), so what is held beyond the budget is at most that much per connection.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ try:  # optional: aiohttp's speedups and many distributions install it
 except ImportError:  # pragma: no cover - depends on the environment
     brotli = None
 
-#: a plain body this small that has arrived whole is not counted against the budget (module docstring)
+#: a body with no coding that declares at most this many bytes is not counted against the budget (module docstring)
 UNCOUNTED_BYTES = 64 * 1024
 #: bytes read from the socket at a time
 CHUNK = 256 * 1024
@@ -230,13 +229,15 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
-    whole = not codings and declared is not None and request.content.is_eof()
-    if whole and declared <= UNCOUNTED_BYTES:
-        return await request.read()  # small and arrived (most small requests): no reservation, no timer, no task
+    plain = not codings and declared is not None
+    whole = plain and request.content.is_eof()
+    small = plain and declared <= UNCOUNTED_BYTES  # not counted (module docstring)
+    if whole and small:
+        return await request.read()  # most small requests: arrived, no reservation, no timer, no task
     held = request.get(RESERVATION)
     if held is None:
         held = request[RESERVATION] = Reservation(request[BUDGET])
-    if declared is not None:
+    if declared is not None and not small:
         held.grow(declared)  # before anything is read: a body that does not fit is refused unread
     if whole:
         return await request.read()  # all of it has arrived already: no timer, no task

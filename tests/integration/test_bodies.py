@@ -118,7 +118,7 @@ async def test_bodies_past_the_budget_get_503_with_retry_after_until_the_held_on
         async with s.post(server.base + INFER, data=BODY) as r:  # fits beside them
             _assert_answer(r.status, await r.read())
         assert await asyncio.to_thread(_gauge, server) == 2 * BIG  # the small one released its bytes
-        # the budget full to the byte: a small plain body that arrives whole (one write) is not counted, so it is
+        # the budget full to the byte: a small body with no coding (<= 64 KiB declared) is not counted, so it is
         # still served; anything counted is refused
         rest = await Upload(server, _padded(BUDGET - 2 * BIG), 10).start()
         await _gauge_is(server, BUDGET)
