@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.client
+from collections.abc import Callable, Iterator
+from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 import onnxruntime as ort
@@ -67,3 +69,20 @@ def dispatched(server, model: str) -> int:
 def queued(server, model: str) -> int:
     """Requests of ``model`` (version 1) waiting in its queue now."""
     return int(server.metric("batcher_queue_depth", model=model, version="1"))
+
+
+def segment_factory(name: Callable[[int], str], min_size: int = 1,
+                    create: type = SharedMemory) -> Iterator[Callable[[int], SharedMemory]]:
+    """A fixture's body: yields ``make(size)``, a new POSIX segment named ``name(k)`` (k: 0, 1, ...) of at least
+    ``min_size`` bytes; closes and unlinks every one made when the fixture ends."""
+    made: list[SharedMemory] = []
+
+    def make(size: int) -> SharedMemory:
+        seg = create(name=name(len(made)), create=True, size=max(size, min_size))
+        made.append(seg)
+        return seg
+
+    yield make
+    for seg in made:
+        seg.close()
+        seg.unlink()

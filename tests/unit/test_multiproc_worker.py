@@ -12,6 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 from fakes import FakeContext
+from helpers import segment_factory
 
 import engines.multiproc.worker as worker
 from engines.base import EngineError
@@ -39,18 +40,8 @@ class FakeConn:
 @pytest.fixture
 def segments():
     """Parent-owned segments made by the test; all unlinked afterwards."""
-    made = []
     create = new_segment.__globals__["SharedMemory"]  # the real class, even where a test patches the worker's
-
-    def make(nbytes: int):
-        seg = create(name=f"{SEGMENT_PREFIX}t{len(made)}", create=True, size=max(nbytes, MIN_SEGMENT_BYTES))
-        made.append(seg)
-        return seg
-
-    yield make
-    for seg in made:
-        seg.close()
-        seg.unlink()
+    yield from segment_factory(lambda k: f"{SEGMENT_PREFIX}t{k}", MIN_SEGMENT_BYTES, create)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import pytest
 from fakes import FakeLoader, SleepExecutor
+from helpers import segment_factory
 from fake_cuda import FakeCuda
 
 import batcher.shm_regions as shm_regions
@@ -32,17 +33,7 @@ _names = itertools.count()
 @pytest.fixture
 def segment():
     """Factory: a new POSIX segment of ``size`` bytes (this process maps it once), unlinked at the end."""
-    made: list[SharedMemory] = []
-
-    def make(size: int) -> SharedMemory:
-        seg = SharedMemory(f"trtb-unit-{os.getpid()}-{next(_names)}", create=True, size=size)
-        made.append(seg)
-        return seg
-
-    yield make
-    for seg in made:
-        seg.close()
-        seg.unlink()
+    yield from segment_factory(lambda _: f"trtb-unit-{os.getpid()}-{next(_names)}")
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trtb-unit-{os.getpid()}-")]
 
 
