@@ -18,7 +18,8 @@ from aiohttp import web
 
 from .config import Config
 from . import httplog
-from .bodies import BodyBudget
+from .bodies import BUDGET, BodyBudget
+from .bodies import release as release_body
 from .errors import BatcherError
 from .dataplane import DataPlane
 from .keys import CONFIG, DATAPLANE, METRICS
@@ -43,7 +44,8 @@ def error_response(status: int, message: str, retry_after_s: int | None = None,
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Map every error to a JSON response, in one place."""
+    """The application's one middleware, its edge: map every error to a JSON response, in one place, and give back
+    the request's share of the body budget when its handler is done (:func:`batcher.bodies.release`)."""
     try:
         return await handler(request)
     except BatcherError as exc:
@@ -62,6 +64,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal error: {exc!r}")
+    finally:
+        release_body(request)
 
 
 def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
@@ -101,8 +105,9 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
     metrics.inflight_body_budget.set(config.server.max_inflight_body_bytes)
     bodies = BodyBudget(config.server.max_inflight_body_bytes, metrics.inflight_body_bytes)
     app = web.Application(client_max_size=config.server.max_body_bytes,
-                          middlewares=[errors_middleware, bodies.middleware()], handler_args={"auto_decompress": False})
+                          middlewares=[errors_middleware], handler_args={"auto_decompress": False})
     app[CONFIG] = config
+    app[BUDGET] = bodies
     app[METRICS] = metrics
     if remote is None:
         app[DATAPLANE] = dataplane = DataPlane(config, metrics)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -133,8 +133,9 @@ class BodyBudget:
     """The bytes of request bodies this process may hold at once: ``server.max_inflight_body_bytes``.
 
     One per aiohttp application (each front-end process of multi-process mode has its own). Requests take
-    :class:`Reservation` s from it (:func:`read_body`); :meth:`middleware` gives each request one and releases it
-    when the request's handler returns or raises, on every path (answer, error, timeout, client gone).
+    :class:`Reservation` s from it (:func:`read_body`, which finds it as the application's :data:`BUDGET`);
+    :func:`release` gives a request's back when its handler returns or raises, on every path (answer, error,
+    timeout, client gone): the application's edge middleware (:func:`batcher.app.errors_middleware`) calls it.
 
     Args:
         capacity: bytes, at least ``server.max_body_bytes`` (:class:`batcher.config.ServerConfig` checks).
@@ -165,24 +166,6 @@ class BodyBudget:
             if self._gauge is not None:
                 self._gauge.set(self.used)
 
-    def middleware(self) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]],
-                                     Awaitable[web.StreamResponse]]:
-        """The aiohttp middleware that releases a request's :class:`Reservation` (made by :func:`read_body` when it
-        counts the body) when the request's handler returns or raises."""
-
-        @web.middleware
-        async def hold_bodies(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                              ) -> web.StreamResponse:
-            request[BUDGET] = self
-            try:
-                return await handler(request)
-            finally:
-                held = request.get(RESERVATION)
-                if held is not None:
-                    held.release()
-
-        return hold_bodies
-
 
 class Reservation:
     """One request's share of a :class:`BodyBudget`, in bytes (:attr:`held`)."""
@@ -209,15 +192,22 @@ class Reservation:
         self.held = 0
 
 
-#: the process's budget, set on each request by :meth:`BodyBudget.middleware`
-BUDGET = web.RequestKey("body_budget", BodyBudget)
+#: the process's budget: one per application (:func:`batcher.app.create_app`)
+BUDGET = web.AppKey("body_budget", BodyBudget)
 #: the request's :class:`Reservation`, made by :func:`read_body` when it counts the body
 RESERVATION = web.RequestKey("body_reservation", Reservation)
 
 
+def release(request: web.Request) -> None:
+    """Give back the request's :data:`RESERVATION`, if it has one (idempotent): call when its handler is done."""
+    held = request.get(RESERVATION)
+    if held is not None:
+        held.release()
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     """The request's body, decoded, at most ``max_bytes`` long, counted against the process's :class:`BodyBudget`
-    (the request's :data:`RESERVATION`, released by :meth:`BodyBudget.middleware` when its handler returns).
+    (the request's :data:`RESERVATION`, given back by :func:`release` when its handler returns).
 
     Raises:
         UnsupportedMediaType (415): unknown content coding. PayloadTooLarge (413): the body, or its decoded form,
@@ -236,7 +226,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         return await request.read()  # most small requests: arrived, no reservation, no timer, no task
     held = request.get(RESERVATION)
     if held is None:
-        held = request[RESERVATION] = Reservation(request[BUDGET])
+        held = request[RESERVATION] = Reservation(request.app[BUDGET])
     if declared is not None and not small:
         held.grow(declared)  # before anything is read: a body that does not fit is refused unread
     if whole:

@@ -90,6 +90,42 @@ async def test_a_batch_goes_at_max_batch_size_or_the_largest_preferred_size_with
     await r.close()
 
 
+async def test_arrivals_inside_a_window_do_not_wake_the_batcher_unless_they_may_close_it(monkeypatch):
+    """10 ms window, max batch 8: the batcher plans the batch when the window opens and when it ends, not once per
+    arrival; the 8th row still closes it at once, and a deadline sooner than the window's end wakes it."""
+    import batcher.scheduler as scheduler
+
+    plans = []
+    real = scheduler.plan_batch
+    monkeypatch.setattr(scheduler, "plan_batch", lambda *a, **k: plans.append(now()) or real(*a, **k))
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=10_000, seconds_per_row=0.0)
+    t0 = now()
+    tasks = [submit(r)]
+    for _ in range(5):
+        await asyncio.sleep(0.001)
+        tasks.append(submit(r))
+    await asyncio.gather(*tasks)
+    assert ctxs[0].batches == [6] and now() - t0 == pytest.approx(0.010)
+    # the idle batcher's look at the empty queue, the window opening, its end by the timer, the next empty look:
+    # no re-plan for the 5 arrivals in between
+    assert plans == pytest.approx([t0, t0, t0 + 0.010, t0 + 0.010])
+    plans.clear()
+    t0 = now()
+    tasks = [submit(r)]
+    await asyncio.sleep(0.001)
+    tasks += [submit(r) for _ in range(7)]  # rows reach max_batch_size
+    await asyncio.gather(*tasks)
+    assert ctxs[0].batches == [6, 8] and now() - t0 == pytest.approx(0.001)
+    plans.clear()
+    t0 = now()
+    tasks = [submit(r)]
+    await asyncio.sleep(0.001)
+    tasks.append(submit(r, timeout_s=0.005))  # its deadline, t0 + 6 ms, comes before the window's end
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert t0 + 0.001 in [pytest.approx(t) for t in plans]  # re-planned when it arrived
+    await r.close()
+
+
 async def test_requests_queue_while_the_context_is_busy_and_fill_the_next_batch():
     """One context busy for 50 ms with a request of 5 rows; 10 single rows arrive meanwhile: the next batch takes
     8 (max), the one after the last 2; shapes never mix; requests are never split."""
