@@ -87,34 +87,42 @@ def request_from(fields: tuple, inputs: dict[str, Any], lease: Lease | None) -> 
 
 def pack_tensors(tensors: Mapping[str, Any], area: Area | None, allocator: Allocator | None
                  ) -> tuple[list[tuple], list[int]]:
-    """Tensors for a message: numeric arrays of :data:`INLINE_BYTES` or more are copied into a block of ``area``
-    (``(name, dtype, shape, offset)``), the rest ride inline (``(name, value)``; also any non-array value, e.g. a
-    shared-memory reference). Returns the entries and the offsets of the blocks taken; when the area is full,
-    arrays ride inline."""
+    """Tensors for a message. A numeric array of :data:`INLINE_BYTES` or more is copied into a block of ``area``:
+    ``(name, dtype, shape, offset)``; a smaller one rides inline as its bytes: ``(name, dtype, shape, bytes)``
+    (pickling an ndarray costs ten times as much as its bytes: 5.2 against 0.5 us for a ``[1, 4]`` FP32 message on
+    the 2-core machine); anything else rides as itself, ``(name, value)`` (BYTES arrays, shared-memory
+    references). ``dtype`` is numpy's ``dtype.str``. Returns the entries and the offsets of the blocks taken; when
+    the area is full, arrays ride inline."""
     entries: list[tuple] = []
     blocks: list[int] = []
     for name, a in tensors.items():
-        if (area is not None and isinstance(a, np.ndarray) and a.dtype != object and a.nbytes >= INLINE_BYTES):
+        if type(a) is not np.ndarray or a.dtype.hasobject:
+            entries.append((name, a))
+            continue
+        if area is not None and a.nbytes >= INLINE_BYTES:
             off = allocator.alloc(a.nbytes)
             if off is not None:
                 np.ndarray(a.shape, a.dtype, buffer=area.buf, offset=off)[...] = a
                 entries.append((name, a.dtype.str, a.shape, off))
                 blocks.append(off)
                 continue
-        entries.append((name, a))
+        entries.append((name, a.dtype.str, a.shape, a.tobytes()))
     return entries, blocks
 
 
 def unpack_tensors(entries: list[tuple], area: Area | None, copy: bool = False) -> dict[str, Any]:
-    """The tensors of :func:`pack_tensors`' entries; arrays in ``area`` are views, or copies with ``copy`` (the
-    block may then be given back at once, whatever happens to the arrays)."""
+    """The tensors of :func:`pack_tensors`' entries: arrays in ``area`` are views, or copies with ``copy`` (the
+    block may then be given back at once, whatever happens to the arrays); inline ones are read-only arrays over
+    the message's bytes, as a decoded HTTP body's are."""
     out = {}
     for e in entries:
         if len(e) == 2:
             out[e[0]] = e[1]
-        else:
+        elif type(e[3]) is int:
             view = np.ndarray(e[2], np.dtype(e[1]), buffer=area.buf, offset=e[3])
             out[e[0]] = view.copy() if copy else view
+        else:
+            out[e[0]] = np.frombuffer(e[3], np.dtype(e[1])).reshape(e[2])
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import socket
 
 import numpy as np
@@ -81,14 +82,21 @@ def test_tensors_of_64_kib_and_more_go_through_the_area_smaller_ones_inline():
     small = np.ones((3, 4), np.float32)
     words = np.array([b"a", b"bc"], dtype=object)
     entries, blocks = pack_tensors({"big": big, "small": small, "words": words, "ref": ("shm", 0, 8)}, area, alloc)
-    assert [len(e) for e in entries] == [4, 2, 2, 2] and blocks == [0]
-    out = unpack_tensors(entries, area)
+    assert entries[0] == ("big", "<f4", (INLINE_BYTES // 16, 4), 0) and blocks == [0]
+    assert entries[1] == ("small", "<f4", (3, 4), small.tobytes())  # a numeric array rides as its bytes
+    assert [len(e) for e in entries[2:]] == [2, 2]  # BYTES and anything else: as themselves
+    out = unpack_tensors(pickle.loads(pickle.dumps(entries, protocol=5)), area)
     assert np.array_equal(out["big"], big) and np.shares_memory(out["big"], np.frombuffer(area.buf, np.uint8))
-    assert np.array_equal(out["small"], small) and out["words"].tolist() == [b"a", b"bc"]
+    assert np.array_equal(out["small"], small) and out["small"].dtype == np.float32 and out["small"].shape == (3, 4)
+    assert out["words"].tolist() == [b"a", b"bc"]
     assert out["ref"] == ("shm", 0, 8)  # anything else (a shared-memory reference) passes through
+    column = np.arange(12, dtype=">i2").reshape(3, 4)[:, 1]  # strided, big-endian: its values and dtype survive
+    back = unpack_tensors(pack_tensors({"c": column}, area, alloc)[0], area)["c"]
+    assert back.dtype == column.dtype and back.tolist() == [1, 5, 9]
     full = Allocator(0, 1024)
     entries, blocks = pack_tensors({"big": big}, area, full)  # no room: it rides inline
-    assert len(entries[0]) == 2 and blocks == []
+    assert entries[0][3] == big.tobytes() and blocks == []
+    assert np.array_equal(unpack_tensors(entries, area)["big"], big)
     del out
     area.close()
 
