@@ -210,6 +210,7 @@ class EngineServer:
                  keys: list[tuple[str, str]], devices: DeviceOrder | None = None) -> None:
         self.dataplane = dataplane
         self.device = device
+        dataplane.shm.page_lock = device is not None  # this process's models: on this GPU, or on the CPU
         self.devices = devices or DeviceOrder(None, [0])
         self.path = path
         self.buffer_bytes = buffer_bytes

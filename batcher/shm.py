@@ -30,14 +30,19 @@ Rules (Triton's unless said otherwise):
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import numpy as np
+
+from engines.cuda import CudaError
 
 from .config import SharedMemoryConfig
 from .errors import InvalidInput, NotFound, Unavailable
 from .protocol import InferRequest, ShmInput, ShmRef
 from .shm_regions import CudaRegion, CudaStaging, Region, SystemRegion, tensor_bytes
+
+log = logging.getLogger(__name__)
 
 #: Most regions registered at once (system and CUDA together).
 MAX_REGIONS = 1024
@@ -69,8 +74,11 @@ def uses_shm(request: InferRequest) -> bool:
 class SharedMemoryRegistry:
     """The registered regions by name. Used from the event loop; CUDA work runs in worker threads."""
 
-    def __init__(self, config: SharedMemoryConfig) -> None:
+    def __init__(self, config: SharedMemoryConfig, page_lock: bool = False) -> None:
+        """``page_lock``: the process runs models on a GPU: page-lock system regions as they are registered
+        (:meth:`SystemRegion.page_lock`); where CUDA refuses, the region works unlocked (a warning is logged)."""
         self.config = config
+        self.page_lock = page_lock
         self._regions: dict[str, Region] = {}
         self._opening: set[str] = set()  # names whose CUDA region is being opened in a thread
         self._retired: set[Region] = set()  # unregistered while held by requests
@@ -97,6 +105,21 @@ class SharedMemoryRegistry:
             raise InvalidInput(f"{MAX_REGIONS} shared memory regions are registered already; unregister some first")
         if kind == "system":
             region: Region = SystemRegion(name, **params)
+            if self.page_lock:
+                self._opening.add(name)
+                locking = asyncio.ensure_future(asyncio.to_thread(region.page_lock))
+                try:
+                    await asyncio.shield(locking)
+                except CudaError as exc:
+                    log.warning("system shared memory region '%s' stays pageable: %s", name, exc)
+                except asyncio.CancelledError:  # the thread goes on: the region closes when it is done
+                    locking.add_done_callback(lambda f: (f.cancelled() or f.exception(), region.close()))
+                    raise
+                finally:
+                    self._opening.discard(name)
+                if self._closed:
+                    region.close()
+                    raise Unavailable("the server is shutting down")
         else:
             device = params["device_id"]
             staging = self._staging.setdefault(device, CudaStaging(device))

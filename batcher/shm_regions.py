@@ -4,7 +4,10 @@ and written to them (the rules they serve: :mod:`batcher.shm`).
 * :class:`SystemRegion`: ``byte_size`` bytes at ``offset`` of the POSIX shared-memory segment ``key``
   (``shm_open(key, O_RDWR)``, as Triton opens it), mapped read/write with ``mmap``. Reads are zero-copy numpy
   views of the mapping; while any view exists, ``mmap`` refuses to close (its buffer-export rule) and the mapping
-  is unmapped only when the last view is gone, so no view can outlive its memory.
+  is unmapped only when the last view is gone, so no view can outlive its memory. In a process that runs models on
+  a GPU the mapping is also page-locked (:meth:`SystemRegion.page_lock`, ``cudaHostRegister``), so a batch of
+  inputs read from it goes host-to-device by DMA, one copy per request, without being stacked on the host first
+  (``ExecutionContext.gather_rows``).
 * :class:`CudaRegion`: ``byte_size`` bytes of another process's device memory opened from its CUDA IPC handle
   (``cudaIpcOpenMemHandle``, :class:`engines.cuda.IpcMemory`). Reads copy device-to-host and writes host-to-device
   through a :class:`CudaStaging` buffer of its device; both block (call them off the event loop).
@@ -14,6 +17,7 @@ Sizes and offsets are bytes. Every client mistake raises :class:`~batcher.errors
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -21,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.cuda import CudaError, IpcMemory, PinnedBuffer, Stream, memcpy_async, require_device, set_device
+from engines.cuda import (CudaError, HostRegistration, IpcMemory, PinnedBuffer, Stream, memcpy_async, require_device,
+                          set_device)
 from engines.datatypes import NUMPY_DTYPES
 
 from .codec import decode_bytes_elements, encode_bytes_elements
@@ -32,6 +37,8 @@ try:  # the call multiprocessing.shared_memory makes; that class would also hand
     from _posixshmem import shm_open  # resource tracker, which unlinks it when this process exits (Python < 3.13)
 except ImportError:  # pragma: no cover - not a POSIX system
     shm_open = None
+
+log = logging.getLogger(__name__)
 
 #: Bytes of pinned host memory per device through which CUDA regions are read and written, in chunks of this size.
 STAGING_BYTES = 8 << 20
@@ -135,6 +142,26 @@ class SystemRegion(Region):
                 raise InvalidInput(f"{what}: cannot map key {key!r}: {exc.strerror}") from None
             raise
         self._fd = fd  # kept: each use checks the segment's size again (fstat)
+        self._locked: HostRegistration | None = None
+
+    def page_lock(self) -> None:
+        """Page-lock the whole mapping for every GPU of the process (``cudaHostRegister``, portable), until
+        :meth:`close`. Blocks (pins every page): call it off the event loop.
+
+        Raises:
+            CudaError: no CUDA runtime or device, or CUDA refused (the region then works unlocked).
+        """
+        if self._map is None or self._locked is not None:
+            return
+        view = np.frombuffer(self._map, np.uint8)
+        try:
+            self._locked = HostRegistration(view.ctypes.data, view.nbytes, portable=True)
+        finally:
+            del view  # no export may outlive this call: close() unmaps
+
+    @property
+    def page_locked(self) -> bool:
+        return self._locked is not None
 
     def _view(self, offset: int, nbytes: int) -> np.ndarray:
         if self._map is None:
@@ -160,6 +187,14 @@ class SystemRegion(Region):
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
     def close(self) -> None:
+        """Unlock (nothing reads it by DMA now: the registry closes a region only when no request holds it), close
+        the segment and unmap it, or leave the unmapping to the last numpy view still alive."""
+        locked, self._locked = self._locked, None
+        if locked is not None:
+            try:
+                locked.unregister()
+            except CudaError as exc:
+                log.warning("system shared memory region '%s': %s", self.name, exc)
         mapping, self._map = self._map, None
         fd, self._fd = self._fd, -1
         if fd >= 0:

@@ -588,5 +588,6 @@ def make_cudart(gpu: FakeGPU) -> ModuleType:
     m.cudaEventDisableTiming = 2
     m.cudaHostRegisterDefault = 0
     m.cudaHostRegisterReadOnly = 8
+    m.cudaHostRegisterPortable = 1
     m.cudaIpcMemLazyEnablePeerAccess = 1
     return m

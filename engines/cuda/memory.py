@@ -166,14 +166,18 @@ class HostRegistration:
         nbytes: length of the range in bytes (> 0).
         read_only: the device only reads it (``cudaHostRegisterReadOnly``; needs a device that supports it);
             default ``cudaHostRegisterDefault``.
+        portable: page-locked for every CUDA context of the process (``cudaHostRegisterPortable``), not only the
+            current device's: a range that batches for several GPUs read.
 
     Raises (constructor):
         CudaError: CUDA refused (already registered, ``nbytes`` 0, flag unsupported).
     """
 
-    def __init__(self, ptr: int, nbytes: int, *, read_only: bool = False) -> None:
+    def __init__(self, ptr: int, nbytes: int, *, read_only: bool = False, portable: bool = False) -> None:
         cudart = runtime()
-        flags = cudart.cudaHostRegisterReadOnly if read_only else cudart.cudaHostRegisterDefault
+        flags = int(cudart.cudaHostRegisterReadOnly if read_only else cudart.cudaHostRegisterDefault)
+        if portable:
+            flags |= int(cudart.cudaHostRegisterPortable)
         check(cudart.cudaHostRegister(ptr, nbytes, flags), f"cudaHostRegister({ptr:#x}, {nbytes}, {int(flags)})")
         self.ptr, self.nbytes = int(ptr), int(nbytes)
         _track(self.ptr, self.nbytes)

@@ -59,6 +59,7 @@ CUDART_API: dict[str, tuple[str, ...]] = {
         "cudaFreeHost",
         "cudaHostRegisterDefault",
         "cudaHostRegisterReadOnly",
+        "cudaHostRegisterPortable",
         "cudaHostRegister",
         "cudaHostUnregister",
         "cudaMemcpyKind",

@@ -390,3 +390,33 @@ async def test_a_segment_truncated_after_registration_is_a_400_not_a_bus_error(s
         async with reg.hold(request({"x": ShmInput("FP32", (1, 4), ShmRef("r", 4096, 16))})) as held:
             await held.inputs()
     await reg.unregister("system", "r")
+
+
+async def test_a_gpu_process_page_locks_system_regions_so_batches_read_them_by_dma(fake, segment, caplog):
+    """page_lock (a process with GPU models): the whole mapping is cudaHostRegister-ed (portable) at registration,
+    inputs read from it count as page-locked (what ``gather_rows`` asks before sending a request's rows by DMA), and
+    it is unregistered when the region closes; where CUDA refuses, the region still serves, pageable."""
+    from engines.cuda.memory import page_locked
+
+    seg = segment(8192)
+    x = np.arange(16, dtype=np.float32)
+    put(seg, 4096, x)
+    reg = SharedMemoryRegistry(SharedMemoryConfig(system=True), page_lock=True)
+    await reg.register("system", "r", key=seg.name, offset=4096, byte_size=4096)
+    assert list(fake.gpu.registered.values()) == [4096]  # the mapping: from the page holding offset 4096
+    req = request({"x": ShmInput("FP32", (16,), ShmRef("r", 0, 64))})
+    async with reg.hold(req) as held:
+        got = (await held.inputs())["x"]
+        np.testing.assert_array_equal(got, x)
+        assert page_locked(got.ctypes.data, got.nbytes)
+    await reg.unregister("system", "r")
+    assert fake.gpu.registered == {}
+    fake.gpu.inject["cudaHostRegister"] = fake.cudart.cudaError_t.cudaErrorNotSupported
+    await reg.register("system", "r", key=seg.name, offset=0, byte_size=4096)
+    assert "stays pageable" in caplog.text and fake.gpu.registered == {}
+    put(seg, 0, x)
+    async with reg.hold(request({"x": ShmInput("FP32", (16,), ShmRef("r", 0, 64))})) as held:
+        got = (await held.inputs())["x"]
+        np.testing.assert_array_equal(got, x)
+        assert not page_locked(got.ctypes.data, got.nbytes)
+    await reg.close()
