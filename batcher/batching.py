@@ -119,13 +119,26 @@ def plan_batch(
     allowed size it would be padded to, if whole requests (the leader among them) can fill it (:func:`exact_fill`).
 
     ``presorted``: the caller knows ``queue`` is in urgency order already (the scheduler tracks it as requests
-    arrive: one priority level and deadlines in arrival order, the common case), so it is not sorted again.
+    arrive: one priority level and deadlines in arrival order, the common case), so it is not sorted again, and the
+    walk stops as soon as the batch holds ``max_batch_size`` rows (a full batch is an allowed size), so that a long
+    queue at saturation costs the batch's length, not the queue's.
 
     Returns:
         ``(batch, rows)``, the batch in urgency order; ``([], 0)`` when nothing is queued.
     """
     if presorted:
-        live = [p for p in queue if p.state is State.QUEUED]
+        live = []
+        key, rows = None, 0
+        for p in queue:
+            if p.state is not State.QUEUED:
+                continue
+            if key is None:
+                key = p.key
+            live.append(p)
+            if p.key == key and rows + p.rows <= max_batch_size:
+                rows += p.rows
+                if rows == max_batch_size:
+                    break  # full: the greedy walk below takes exactly these
     else:
         live = sorted((p for p in queue if p.state is State.QUEUED), key=lambda p: urgency(p, now, starve_after_s))
     same = [p for p in live if p.key == live[0].key] if live else []

@@ -80,7 +80,11 @@ def run(coro: Any, kind: str) -> Any:
 
 
 def child_setup(role: str, log_level: str) -> None:
-    """First thing in a child process: logging, and dying with the supervisor (``PR_SET_PDEATHSIG``)."""
+    """First thing in a child process: logging, dying with the supervisor (``PR_SET_PDEATHSIG``), and metrics that
+    read the pid once (:func:`batcher.metrics.read_pid_once`)."""
+    from .metrics import read_pid_once
+
+    read_pid_once()
     setup_logging(log_level, f"[{role}] ")
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

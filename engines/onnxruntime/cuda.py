@@ -137,14 +137,16 @@ class IOBuffers:
 
     def upload_parts(self, name: str, rows: RowParts, stream: Stream) -> DeviceBuffer:
         """Queue input ``name`` host-to-device part by part into ``name``'s device buffer on ``stream``: one DMA per
-        request straight from its page-locked array (no host copy), then the padding rows set to zero on the device.
-        Every part must be page-locked (:meth:`CudaContext.gather_rows` checked it) and stay alive and unchanged
-        until the stream has synchronized."""
+        run of requests that lie back to back in host memory (a front end's shared area hands out consecutive
+        blocks, so a batch from one front end is often one run), straight from the page-locked arrays (no host
+        copy), then the padding rows set to zero on the device. Every part must be page-locked
+        (:meth:`CudaContext.gather_rows` checked it) and stay alive and unchanged until the stream has
+        synchronized."""
         _, dev = self.ensure(name, rows.nbytes)
         offset = 0
-        for part in rows.parts:
-            memcpy_async(dev.ptr + offset, part.ctypes.data, part.nbytes, "H2D", stream, repr(name))
-            offset += part.nbytes
+        for src, nbytes in contiguous_runs(rows.parts):
+            memcpy_async(dev.ptr + offset, src, nbytes, "H2D", stream, repr(name))
+            offset += nbytes
         if offset < rows.nbytes:
             memset_async(dev.ptr + offset, 0, rows.nbytes - offset, stream, f"{name!r} padding")
         return dev
@@ -166,6 +168,19 @@ class IOBuffers:
             buf.free()
         self.pinned.clear()
         self.device.clear()
+
+
+def contiguous_runs(parts: list[np.ndarray]) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of each run of C-contiguous ``parts`` that follow each other in memory, in order: a part
+    starting where the previous one ends joins its run."""
+    runs: list[list[int]] = []
+    for part in parts:
+        ptr, n = part.ctypes.data, part.nbytes
+        if runs and runs[-1][0] + runs[-1][1] == ptr:
+            runs[-1][1] += n
+        else:
+            runs.append([ptr, n])
+    return [(ptr, n) for ptr, n in runs]
 
 
 def check_rows(inputs: Mapping[str, np.ndarray], sizes: tuple[int, ...] | None) -> int:

@@ -106,8 +106,8 @@ def test_arrival_gaps_are_an_ewma_of_gaps_each_capped_at_one_second():
     assert gaps.last == 15.1
 
 
-def _pd(t: float, deadline: float | None = None, priority: int = 1, rows: int = 1) -> Pending:
-    inputs = {"x": np.zeros((rows, 3), np.float32)}
+def _pd(t: float, deadline: float | None = None, priority: int = 1, rows: int = 1, width: int = 3) -> Pending:
+    inputs = {"x": np.zeros((rows, width), np.float32)}
     return Pending(inputs, rows, shape_key(inputs), arrival=t, deadline=deadline, priority=priority)
 
 
@@ -138,3 +138,29 @@ def test_a_presorted_queue_gives_the_same_batch_without_sorting():
     q = [_pd(0.1 * i, deadline=5.0 + i) for i in range(6)]
     q[1].state = State.DONE
     assert plan_batch(q, 4, now=1.0, presorted=True) == plan_batch(list(reversed(q)), 4, now=1.0)
+
+
+def test_a_presorted_walk_agrees_with_the_sorted_plan_on_random_queues():
+    """Mixed shape keys, 1-3 rows, some settled, with and without allowed sizes: the early-stopping walk of a
+    presorted queue plans exactly the batch the sorted plan does."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        q = [_pd(0.01 * i, rows=rng.choice([1, 1, 2, 3]), width=rng.choice([4, 4, 4, 8]))
+             for i in range(rng.randint(0, 40))]
+        for p in q:
+            if rng.random() < 0.2:
+                p.state = State.DONE
+        max_rows, allowed = rng.choice([(4, None), (8, None), (8, (1, 2, 4, 8)), (16, (4, 8, 16))])
+        assert plan_batch(q, max_rows, 1.0, allowed=allowed, presorted=True) == plan_batch(q, max_rows, 1.0, allowed=allowed)
+
+
+def test_a_presorted_walk_stops_at_a_full_batch():
+    class Untouchable:
+        @property
+        def state(self):
+            raise AssertionError("read past the full batch")
+
+    head = [_pd(0.01 * i) for i in range(4)]
+    assert plan_batch([*head, Untouchable()], 4, 1.0, presorted=True) == (head, 4)
