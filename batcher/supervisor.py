@@ -80,14 +80,18 @@ def run(coro: Any, kind: str) -> Any:
 
 
 def child_setup(role: str, log_level: str) -> None:
-    """First thing in a child process: logging, dying with the supervisor (``PR_SET_PDEATHSIG``), and metrics that
-    read the pid once (:func:`batcher.metrics.read_pid_once`)."""
+    """First thing in a child process: logging, dying with the supervisor (``PR_SET_PDEATHSIG``), its name as
+    ``ps``, ``top`` and ``/proc/PID/comm`` show it (``PR_SET_NAME``: ``role`` with ``-`` for spaces, at most 15
+    bytes, e.g. ``engine-gpu0``, ``frontend-3``), and metrics that read the pid once
+    (:func:`batcher.metrics.read_pid_once`)."""
     from .metrics import read_pid_once
 
     read_pid_once()
     setup_logging(log_level, f"[{role}] ")
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, role.replace(" ", "-").encode()[:15])  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
     if os.getppid() == 1:  # the supervisor died before prctl

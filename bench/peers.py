@@ -123,6 +123,27 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(after[p] - before[p] for p in after if p in before and not math.isnan(after[p] - before[p]))
 
 
+def role_of(pid: int) -> str:
+    """``engine`` or ``frontend`` for a process of our multi-process mode (its name, ``/proc/PID/comm``, set by
+    ``batcher.supervisor.child_setup``), else ``other`` (the supervisor, a single-process server, a peer)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        return "other"
+    return name.split("-")[0] if name.startswith(("engine-", "frontend-")) else "other"
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """:func:`cpu_delta` split by :func:`role_of`."""
+    out: dict[str, float] = {}
+    for p in after:
+        if p in before and not math.isnan(after[p] - before[p]):
+            role = role_of(p)
+            out[role] = out.get(role, 0.0) + after[p] - before[p]
+    return out
+
+
 @dataclass
 class Running:
     """A started server: what the load tool and the CPU accounting need."""
@@ -364,11 +385,14 @@ async def _fixed_count(url: str, body: bytes, headers: dict[str, str], load: tup
         await run(n_warm)
         cpu0, t0 = tree_cpu_seconds(pid), time.perf_counter()  # every process of the server (multi-process mode)
         s = await run(n)
-        cpu, wall = cpu_delta(cpu0, tree_cpu_seconds(pid)), time.perf_counter() - t0
+        cpu1, wall = tree_cpu_seconds(pid), time.perf_counter() - t0
+        cpu, roles = cpu_delta(cpu0, cpu1), cpu_by_role(cpu0, cpu1)
     ok = int((s.status == 200).sum())
     lat_ok = s.latency[s.status == 200] * 1e3
     return {"requests": n, "ok": ok, "errors": n - ok, "wall_s": wall, "qps": ok / wall if wall else float("nan"),
             "cpu_s": cpu, "cpu_us_per_req": cpu / ok * 1e6 if ok else float("nan"),
+            # multi-process mode: the engine process's and the front ends' share (absent in single-process mode)
+            **{f"cpu_us_per_req_{role}": sec / ok * 1e6 for role, sec in roles.items() if role != "other" and ok},
             "cpu_cores": cpu / wall if wall else float("nan"),
             "p50_ms": percentile(lat_ok, 50), "p99_ms": percentile(lat_ok, 99)}
 
@@ -425,7 +449,8 @@ PEER_COLUMNS = ["server", "encoding", "p50_1client_ms", "qps_16clients", "p99_16
 RATIO_OF = ["p50_1client_ms", "qps_16clients", "p99_16clients_ms", "cpu_ms_per_req_16clients", "qps_at_p99",
             "p99_at_fixed_qps_ms"]
 FRONTEND_COLUMNS = ["server", "load", "rounds", "requests", "ok", "errors", "request_bytes", "wall_s", "qps",
-                    "cpu_s", "cpu_us_per_req", "cpu_us_per_req_min", "cpu_us_per_req_max", "cpu_cores", "p50_ms",
+                    "cpu_s", "cpu_us_per_req", "cpu_us_per_req_min", "cpu_us_per_req_max", "cpu_us_per_req_engine",
+                    "cpu_us_per_req_frontend", "cpu_cores", "p50_ms",
                     "p99_ms", "cpu_vs_bare", "cpu_vs_ours"]
 STEP_COLUMNS = ["server", "encoding", "mode", "offered_qps", "concurrency", "achieved_qps", "requests", "ok",
                 "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "cpu_ms_per_req", "cpu_cores",
@@ -647,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text_table([("server", "server", -1), ("load", "load", -1), ("ok", "ok", 0), ("req/s", "qps", 1),
                           ("CPU s", "cpu_s", 2), ("CPU us/req", "cpu_us_per_req", 1),
                           ("min", "cpu_us_per_req_min", 1), ("max", "cpu_us_per_req_max", 1),
+                          ("engine", "cpu_us_per_req_engine", 1), ("front ends", "cpu_us_per_req_frontend", 1),
                           ("cores", "cpu_cores", 2), ("p50 ms", "p50_ms", 2), ("vs bare", "cpu_vs_bare", 2)], frontend))
     if goals:
         write_csv(out / "targets.csv", goals, ["target", "ours", "peer", "ratio", "met", "note"], digits=3)

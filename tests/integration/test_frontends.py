@@ -121,6 +121,22 @@ def multi_server(tmp_path_factory, cache_dir):
         yield server
 
 
+def test_each_process_carries_its_role_as_its_name(multi_server):
+    """ps, top and /proc/PID/comm name the processes of multi-process mode by role (what bench.peers splits the
+    CPU by)."""
+    from bench.peers import descendants, role_of
+
+    names = set()
+    for pid in descendants(multi_server.proc.pid)[1:]:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.add(f.read().strip())
+        except OSError:
+            pass
+    assert {"engine-cpu", "frontend-0", "frontend-1"} <= names
+    assert sorted(role_of(p) for p in descendants(multi_server.proc.pid)).count("frontend") == 2
+
+
 def _default_config() -> dict:
     import yaml
 
