@@ -267,6 +267,22 @@ def window_wait(now: float, first_arrival: float, delay_s: float, earliest_deadl
     return wait if wait >= 1e-6 else 0.0
 
 
+def arrival_may_end_window(now: float, window_end: float | None, deadline: float | None, queued_rows: int,
+                           max_batch_size: int, preferred_batch_sizes: Sequence[int], priority_levels: int) -> bool:
+    """Whether a request that arrived at ``now`` (with ``deadline``) must wake the batcher to look at the queue again.
+
+    Always, unless the batcher is waiting out a batch window that ends at ``window_end`` and has not ended: then the
+    window's timer wakes it, and an arrival matters only if it may close the window sooner. The window closes when
+    the batch is full (:func:`batch_is_full`: the largest preferred size or the maximum; the batch's rows are at
+    most the ``queued_rows``) or at ``first arrival + delay`` (:func:`window_wait`), earlier for
+    a deadline. The newest arrival cannot move its own shape's first arrival earlier, so only its deadline or, with
+    ``priority_levels`` above 1, a batch led by another shape's older requests can. Not waking saves the batcher a
+    task switch, a re-plan and a new timer per arrival.
+    """
+    return (window_end is None or now >= window_end or deadline is not None or priority_levels > 1
+            or batch_is_full(queued_rows, max_batch_size, preferred_batch_sizes))
+
+
 def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:
     """Whether holding a batch open for up to ``delay_s`` is likely to gather another request (the rule of
     ``adaptive_queue_delay``).

@@ -37,7 +37,7 @@ from .scheduler import ModelRunner
 from .shm import SharedMemoryRegistry, uses_shm
 from .signature import ModelSignature
 from .strategy import Strategy
-from .topology import engine_devices
+from .topology import uses_gpu
 from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
@@ -130,9 +130,7 @@ class DataPlane:
         self.router = Router(self.repository, Strategy(config.routing.strategy))
         self.repository.on_load.insert(0, self._attach_runner)
         #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
-        # a process that runs models on a GPU page-locks the system regions clients register (batcher.shm)
-        self.shm = SharedMemoryRegistry(config.server.shared_memory,
-                                        page_lock=any(d is not None for d in engine_devices(config)))
+        self.shm = SharedMemoryRegistry(config.server.shared_memory, page_lock=uses_gpu(config))
         self.ready = False  # until started, and again from the moment a drain begins: new requests get 503
         self._inflight = Inflight()
         self._monitor: asyncio.Task | None = None

@@ -48,6 +48,7 @@ from .batching import (
     State,
     Verdict,
     admission,
+    arrival_may_end_window,
     batch_is_full,
     plan_batch,
     priority_level,
@@ -119,17 +120,12 @@ class ModelRunner:
         # the last queued request's urgency key while the queue is in urgency order (arrival order agrees with
         # it: one level, deadlines as ordered as arrivals), None once it is not: plan_batch then needs no sort
         self._tail: tuple | None = ()
-        self._depth = 0
-        self._queued_rows = 0
-        self._executing_rows = 0
+        self._depth = self._queued_rows = self._executing_rows = 0
         # measured seconds per executed batch size: admission, early windows, late drops
         self.times = BatchTimes(allowed=self._allowed)
         self._gaps = ArrivalGaps()  # adaptive_queue_delay reads their moving average
         self._wakeup = asyncio.Event()
-        # while the batcher waits out a batch window: the event-loop time the window ends (else None). An arrival
-        # before then wakes it only if it may end the window early (see _arrival_ends_window)
-        self._window_end: float | None = None
-        self._full_rows = self._preferred[-1] if self._preferred else self._max_batch  # batch_is_full's threshold
+        self._window_end: float | None = None  # while the batcher waits out a window: when it ends
         self._loop = asyncio.get_running_loop()
         # no timer under uvloop's 1 ms tick: it would fire at once and the batch window would spin
         self._tick = 0.001 if type(self._loop).__module__.startswith("uvloop") else 0.0
@@ -189,7 +185,8 @@ class ModelRunner:
         self._queue.append(p)
         self._queued_rows += rows
         self._set_depth(self._depth + 1)
-        if self._arrival_ends_window(now, p):
+        if arrival_may_end_window(now, self._window_end, deadline, self._queued_rows, self._max_batch, self._preferred,
+                                  self._levels):
             self._wakeup.set()
         try:
             return await p.future
@@ -197,19 +194,6 @@ class ModelRunner:
             if p.state is State.QUEUED:  # the client went away while queued: never execute it
                 self._settle_queued(p)
             raise
-
-    def _arrival_ends_window(self, now: float, p: Pending) -> bool:
-        """Whether the batcher must look at the queue again for this arrival (``p`` just queued at ``now``).
-
-        Always, unless it is waiting out a batch window that has not ended: then the window's timer wakes it, and
-        an arrival matters only if it may close the window sooner. The window closes when the batch is full
-        (:func:`batch_is_full`; the batch's rows are at most the queued rows) or at ``first arrival + delay``,
-        earlier for a deadline; the newest arrival cannot move its own shape's first arrival earlier, so only its
-        deadline or, with priority levels, a batch led by another shape's older requests can. Skipping the
-        wake-up saves the batcher a task switch, a re-plan and a new timer per arrival.
-        """
-        return (self._window_end is None or now >= self._window_end or p.deadline is not None
-                or self._queued_rows >= self._full_rows or self._levels > 1)
 
     def _admit(self, now: float, deadline: float, rows: int) -> None:
         verdict, drain = admission(now, deadline, rows, self._queued_rows + self._executing_rows, self.times,

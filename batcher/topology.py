@@ -57,6 +57,11 @@ def engine_devices(config: Config) -> list[int | None]:
     return sorted(d for d in devices if d is not None) + ([None] if None in devices else [])
 
 
+def uses_gpu(config: Config) -> bool:
+    """Whether a model of ``config`` runs on a GPU."""
+    return any(d is not None for m in config.models for d in model_devices(m))
+
+
 def device_name(device: int | None) -> str:
     return "cpu" if device is None else f"gpu{device}"
 
