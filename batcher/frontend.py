@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 from .config import Config, ModelConfig
 from .dataplane import Inflight, late_answer
-from .errors import RemoteError, Unavailable
+from .errors import BatcherError, RemoteError, Unavailable
 from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
-from .remote import EngineLink
+from .remote import EngineLink, EngineLost
 from .repository import ModelSlots
 from .strategy import Strategy, Target
 from .topology import device_name, engine_devices, engine_slots, model_devices, weight
@@ -128,7 +128,7 @@ class RemoteDataPlane:
                      ) -> T:
         route = self._route(cfg, named, request)
         if route is None:
-            self.metrics.failure.labels(cfg.name, str(cfg.version), "rejected").inc()
+            self._count_here(cfg, "rejected", received)
             raise Unavailable(f"model '{cfg.name}': the engine process serving it is not running; it is being "
                               "restarted", retry_after_s=1)
         link, cfg = route
@@ -138,6 +138,9 @@ class RemoteDataPlane:
             msg = await outcome
         except asyncio.CancelledError:
             link.abort(rid)
+            raise
+        except EngineLost:  # the engine process that would count it died with it
+            self._count_here(cfg, "rejected", received)
             raise
         if error is not None:  # the engine counted it; answer exactly what reading raised (e.g. aiohttp's 413)
             raise error
@@ -152,10 +155,22 @@ class RemoteDataPlane:
             link.abort(rid)
             raise
         except Exception as exc:
-            link.ack(rid, error_tuple(exc))
+            if not link.ack(rid, error_tuple(exc)):
+                self._count_here(cfg, exc.reason if isinstance(exc, BatcherError) else "other", received)
             raise
-        link.ack(rid)
+        if not link.ack(rid):  # the engine process died after answering: it will never count this one
+            self._count_here(cfg, None, received)
         return answer
+
+    def _count_here(self, cfg: ModelConfig, reason: str | None, received: float) -> None:
+        """Count an outcome in this front end, for a request whose engine process is gone (the engine process
+        counts all others, after delivery): ``reason`` None is a success."""
+        outcomes = self.metrics.outcomes(cfg.name, str(cfg.version))
+        if reason is None:
+            outcomes.success.inc()
+            outcomes.duration.observe(asyncio.get_running_loop().time() - received)
+        else:
+            outcomes.failure(reason).inc()
 
     def _served_cfgs(self, name: str) -> list[ModelConfig]:
         return [self.catalog.slots[name][v].cfg for v in self.catalog.served_versions(name)]

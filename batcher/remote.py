@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.05, 1.0
 
 
+class EngineLost(Unavailable):
+    """503: the engine process serving a request died while the request was there; nothing of it will be counted
+    there, so the front end counts it (:class:`batcher.frontend.RemoteDataPlane`)."""
+
+
 class _Sent:
     """A request sent to an engine: the future of its outcome message, its model version's status index, and its
     input blocks until released."""
@@ -109,7 +114,7 @@ class EngineLink:
 
     def _on_lost(self) -> None:
         self.connected = False
-        lost = Unavailable(f"the {self.name} stopped; it is being restarted", retry_after_s=1)
+        lost = EngineLost(f"the {self.name} stopped; it is being restarted", retry_after_s=1)
         for sent in self._sent.values():
             if not sent.future.done():
                 sent.future.set_exception(lost)
@@ -203,9 +208,13 @@ class EngineLink:
         if self.connected:
             self._channel.send((ABORT, rid))
 
-    def ack(self, rid: int, error: Any = None) -> None:
+    def ack(self, rid: int, error: Any = None) -> bool:
+        """Tell the engine process how RESULT ``rid`` was delivered (``error`` None: answered with it), so that it
+        counts the outcome; False when it is gone and will count nothing."""
         if self.connected:
             self._channel.send((ACK, rid, error))
+            return True
+        return False
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A data-plane method in the engine process.

@@ -228,6 +228,8 @@ async def test_kill_9_of_a_front_end_loses_only_its_requests_and_of_the_engine_a
         assert all(st == 200 for st in await asyncio.gather(*(post(s, 1) for s in sessions[1:])))
 
         engine_pid = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+        rejected = {m: server.metric("batcher_request_failure_total", reason="rejected", model=m, version="1")
+                    for m in ("mid_cnn", "tiny_cnn")}
         blocker = asyncio.create_task(post(sessions[0], 8))
         await asyncio.sleep(0.15)
         os.kill(engine_pid, signal.SIGKILL)
@@ -235,6 +237,9 @@ async def test_kill_9_of_a_front_end_loses_only_its_requests_and_of_the_engine_a
         async with sessions[1].post(f"{server.base}/v2/models/tiny_cnn/infer",
                                     **_binary(np.ones((1, 3, 224, 224), np.float32))) as r:
             assert r.status == 503 and r.headers["Retry-After"] == "1"  # until it is back
+        # both 503s are counted, by the front ends: the lost request's engine process died with its count
+        assert [server.metric("batcher_request_failure_total", reason="rejected", model=m, version="1") - rejected[m]
+                for m in ("mid_cnn", "tiny_cnn")] == [1, 1]
         _wait_log(server, r"engine-cpu ready", count=2)
         for _ in range(100):
             async with sessions[1].get(f"{server.base}/v2/health/ready") as r:

@@ -217,6 +217,25 @@ async def test_a_stopped_engine_makes_its_models_503_until_it_is_back():
         assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
 
 
+async def test_an_answer_whose_engine_died_before_its_ack_is_counted_by_the_front_end():
+    """The engine process counts an outcome when the front end's ACK arrives; one that dies in between counts
+    nothing, so the front end counts the answer it delivered."""
+    async with served([{"name": "m"}]) as (remote, engines):
+        engine = engines[None]
+
+        async def deliver_as_the_engine_dies(response: InferResponse):
+            out = await copy_out(response)
+            await engine.server.close()
+            assert await eventually(lambda: not remote.links[0].connected)
+            return out
+
+        answer = await remote.infer("m", None, now(), read(request(1)), deliver_as_the_engine_dies)
+        assert answer[2].tolist() == [[2.0] * 4]
+        sample = remote.metrics.registry.get_sample_value
+        assert sample("batcher_request_success_total", {"model": "m", "version": "1"}) == 1
+        await engine.server.start()
+
+
 GPU_MODEL = {"name": "m", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}], "max_batch_size": 8}
 
 
