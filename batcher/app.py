@@ -42,14 +42,27 @@ def error_response(status: int, message: str, retry_after_s: int | None = None,
     )
 
 
+class Shutdown:
+    """Whether SIGTERM's drain has begun in this process (:func:`_drain_on_sigterm`)."""
+
+    draining = False
+
+
+#: the application's :class:`Shutdown`
+SHUTDOWN = web.AppKey("shutdown", Shutdown)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The application's one middleware, its edge: map every error to a JSON response, in one place, and give back
-    the request's share of the body budget when its handler is done (:func:`batcher.bodies.release`)."""
+    """The application's one middleware, its edge: map every error to a JSON response, in one place; give back the
+    request's share of the body budget when its handler is done (:func:`batcher.bodies.release`); and once SIGTERM's
+    drain has begun, close each connection after its answer (``Connection: close``), so that a keep-alive client
+    sends its next request on a new connection (503 while the port is open, refused after) instead of on one the
+    server is about to close under it."""
     try:
-        return await handler(request)
+        resp = await handler(request)
     except BatcherError as exc:
-        return error_response(exc.status, exc.message, exc.retry_after_s, exc.headers)
+        resp = error_response(exc.status, exc.message, exc.retry_after_s, exc.headers)
     except web.HTTPException as exc:  # aiohttp's own: unknown route 404, 405, 413 body over client_max_size
         if exc.status < 400:
             raise
@@ -57,18 +70,20 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         for k in ("Allow", "Retry-After"):
             if k in exc.headers:
                 resp.headers[k] = exc.headers[k]
-        return resp
     except ConnectionResetError:  # the client went away mid-request: nobody to answer, nothing to log loudly
         log.debug("client disconnected during %s %s", request.method, request.path)
-        return error_response(400, "client disconnected before the request was complete")
+        resp = error_response(400, "client disconnected before the request was complete")
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal error: {exc!r}")
+        resp = error_response(500, f"internal error: {exc!r}")
     finally:
         release_body(request)
+    if request.app[SHUTDOWN].draining:
+        resp.force_close()
+    return resp
 
 
-def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
+def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown) -> None:
     """SIGTERM: readiness turns false at once and new requests get 503 + Retry-After, while accepted requests
     finish (at most ``grace_s``); then SIGINT starts aiohttp's graceful exit, which releases the models.
 
@@ -81,6 +96,7 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
     def on_sigterm() -> None:
+        shutdown.draining = True
         if not tasks:
             log.info("SIGTERM: not ready any more; finishing accepted requests (grace %.0f s)", grace_s)
             tasks.append(loop.create_task(drain_then_exit()))
@@ -108,6 +124,7 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
                           middlewares=[errors_middleware], handler_args={"auto_decompress": False})
     app[CONFIG] = config
     app[BUDGET] = bodies
+    app[SHUTDOWN] = shutdown = Shutdown()
     app[METRICS] = metrics
     if remote is None:
         app[DATAPLANE] = dataplane = DataPlane(config, metrics)
@@ -117,7 +134,7 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
 
     async def dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
         await dataplane.start()
-        _drain_on_sigterm(dataplane, config.server.shutdown_grace_s)
+        _drain_on_sigterm(dataplane, config.server.shutdown_grace_s, shutdown)
         yield
         if remote is None:
             loaded = sum(1 for s in dataplane.repository.all() if s.loaded is not None)
