@@ -40,6 +40,7 @@ from engines.datatypes import NUMPY_DTYPES, from_numpy
 from .errors import InvalidInput
 from .json_tensors import LITERAL_RULES, json_tensor  # re-exported: codec's public names
 from .json_tensors import json_literal as _literal
+from .json_tensors import json_type
 from .protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -76,7 +77,7 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
     if p is None:
         return {}
     if not isinstance(p, dict):
-        raise InvalidInput(f"{where}.parameters: expected an object, got {type(p).__name__}")
+        raise InvalidInput(f"{where}.parameters: expected an object, got {json_type(p)}")
     return p
 
 
@@ -87,7 +88,7 @@ def json_object(raw: bytes | memoryview | str, what: str) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise InvalidInput(f"{what}: expected a JSON object, got {type(doc).__name__}")
+        raise InvalidInput(f"{what}: expected a JSON object, got {json_type(doc)}")
     return doc
 
 
@@ -176,7 +177,7 @@ def decode_request(
     for i, t in enumerate(raw_inputs):
         where = f"inputs[{i}]"
         if not isinstance(t, dict):
-            raise InvalidInput(f"{where}: expected an object, got {type(t).__name__}")
+            raise InvalidInput(f"{where}: expected an object, got {json_type(t)}")
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"{where}.name: expected a string, got {_literal(name)}")
@@ -238,7 +239,7 @@ def decode_request(
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
         if not isinstance(raw_outputs, list):
-            raise InvalidInput(f"outputs: expected a list, got {type(raw_outputs).__name__}")
+            raise InvalidInput(f"outputs: expected an array, got {json_type(raw_outputs)}")
         outputs = []
         for i, o in enumerate(raw_outputs):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):

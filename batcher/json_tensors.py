@@ -50,6 +50,18 @@ def json_literal(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def json_type(v: Any) -> str:
+    """The JSON type of a parsed value, for messages: ``object``, ``array``, ``string``, ``number``, ``boolean`` or
+    ``null`` (not Python's ``dict``, ``list``, ``NoneType``)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {dict: "object", list: "array", str: "string"}.get(type(v), type(v).__name__)
+
+
 def _flat(data: list) -> list:
     """Row-major flattening of nested lists (leaves that are not lists kept as they are)."""
     if not any(type(v) is list for v in data):
@@ -140,7 +152,7 @@ def json_tensor(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
     """
     dtype = NUMPY_DTYPES[datatype]
     if not isinstance(data, list):
-        raise InvalidInput(f"{where}: expected a list, got {type(data).__name__}")
+        raise InvalidInput(f"{where}: expected an array, got {json_type(data)}")
     if datatype == "BYTES":
         try:
             flat = np.asarray(data, dtype=object).ravel()

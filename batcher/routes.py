@@ -25,6 +25,7 @@ from engines.datatypes import NUMPY_DTYPES
 from . import __version__
 from .bodies import read_body
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
+from .json_tensors import json_type
 from .errors import InvalidInput, ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
@@ -170,8 +171,18 @@ def warm_codec(slot: ModelSlot) -> None:
 
 
 async def expect_handler(request: web.Request) -> web.Response | None:
-    """``Expect: 100-continue`` as aiohttp answers it; any other expectation 417 with a JSON body (aiohttp's own
-    417 is plain text, sent before the error middleware could see it)."""
+    """``Expect: 100-continue`` as aiohttp answers it, except that a declared ``Content-Length`` over
+    ``server.max_body_bytes`` gets its 413 at once instead of ``100 Continue`` (RFC 9110, 10.1.1: the server may
+    answer with the final status instead, and the client then does not send the body; the connection closes after
+    it); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the error
+    middleware could see it)."""
+    limit = request.app[CONFIG].server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        resp = web.Response(body=orjson.dumps({"error": f"request body of {request.content_length} bytes is over "
+                                                        f"server.max_body_bytes = {limit}"}),
+                            status=413, content_type="application/json")
+        resp.force_close()
+        return resp
     try:
         await _default_expect_handler(request)
     except web.HTTPExpectationFailed as exc:
@@ -204,7 +215,7 @@ async def _repository_body(request: web.Request, what: str) -> dict:
         return {}
     doc = json_object(raw, f"{what}: the body")
     if not isinstance(doc.get("parameters", {}), dict):
-        raise InvalidInput(f"{what}: parameters: expected an object, got {type(doc['parameters']).__name__}")
+        raise InvalidInput(f"{what}: parameters: expected an object, got {json_type(doc['parameters'])}")
     return doc
 
 
@@ -241,7 +252,7 @@ async def repository_load(request: web.Request) -> web.Response:
     if config is not None:
         if not isinstance(config, str):
             raise InvalidInput("load: parameters.config: expected a string holding the model-config JSON, got "
-                               f"{type(config).__name__}")
+                               f"{json_type(config)}")
         config = json_object(config, "load: parameters.config")
     await request.app[DATAPLANE].load(request.match_info["model"], config)
     return _json({})

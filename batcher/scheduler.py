@@ -201,10 +201,11 @@ class ModelRunner:
         if verdict is Verdict.LATE:
             raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         if verdict is Verdict.CANNOT_FINISH:
+            ahead = self._queued_rows + self._executing_rows
+            need = self.times.drain(ahead + rows, self._max_batch, len(self._executors)) or 0.0
             raise Unavailable(
-                f"model '{self.name}': the {self._queued_rows + self._executing_rows} rows ahead need about "
-                f"{drain * 1e3:.0f} ms, beyond this request's deadline in {(deadline - now) * 1e3:.0f} ms",
-                retry_after_s=max(1, math.ceil(drain)))
+                f"model '{self.name}': the {ahead} rows ahead and this request's {rows} need about {need * 1e3:.1f} "
+                f"ms, beyond its deadline in {(deadline - now) * 1e3:.1f} ms", retry_after_s=max(1, math.ceil(drain)))
 
     def _set_depth(self, n: int) -> None:
         self._depth = n

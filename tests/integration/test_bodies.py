@@ -244,3 +244,21 @@ def test_the_output_cap_counts_across_members(server):
 def test_deflate_has_no_members_data_after_its_stream_is_a_400(server):
     status, data, _ = _post(server, zlib.compress(BODY) + zlib.compress(b" "), {"Content-Encoding": "deflate"})
     assert status == 400 and "data after the end of the compressed stream" in orjson.loads(data)["error"]
+
+
+async def test_expect_100_continue_over_the_body_limit_gets_413_at_once_and_within_it_100_continue(server):
+    async def first_answer(length: int) -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(f"POST {INFER} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n"
+                     "Expect: 100-continue\r\n\r\n".encode())
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 30)
+        rest = await asyncio.wait_for(reader.read(), 30) if not line.startswith(b"HTTP/1.1 100") else b""
+        writer.close()
+        return line, rest
+
+    line, rest = await first_answer(LIMIT + 1)  # the client is told before it sends a byte of the body
+    assert line.startswith(b"HTTP/1.1 413") and b"connection: close" in rest.lower()
+    assert rest.endswith(b'{"error":"request body of 1000001 bytes is over server.max_body_bytes = 1000000"}')
+    line, _ = await first_answer(LIMIT)
+    assert line.startswith(b"HTTP/1.1 100")

@@ -229,7 +229,7 @@ async def test_admission_control_answers_at_once_when_the_deadline_cannot_be_met
         await until(lambda: dispatched(server, "mid_cnn") == 2)  # executing for ~0.5 s
         status, retry_after, body, _ = await post(np.ones((1, 3, 224, 224), np.float32), timeout_us=100_000)
         assert status == 503, body
-        assert "rows ahead need about" in orjson.loads(body)["error"]
+        assert "rows ahead and this request's" in orjson.loads(body)["error"]
         assert int(retry_after) >= 1
         assert not slow.done()  # refused at once, not when the rows ahead of it had drained
         assert (await slow)[0] == 200

@@ -44,8 +44,8 @@ async def test_index_filters_on_ready_and_bad_bodies_are_400(start_server):
                          b'{"ready": null}': both}
         for body, fragment in ((b'{"ready": "yes"}', "ready: expected true or false, got 'yes'"),
                                (b'{"ready": 1}', "ready: expected true or false, got 1"),
-                               (b"{", "the body is not valid JSON"), (b"[true]", "the body: expected a JSON object, got list"),
-                               (b'{"parameters": 3}', "parameters: expected an object, got int")):
+                               (b"{", "the body is not valid JSON"), (b"[true]", "the body: expected a JSON object, got array"),
+                               (b'{"parameters": 3}', "parameters: expected an object, got number")):
             status, error = await _post(s, index, body)
             assert status == 400 and fragment in error["error"], (body, error)
     client = http.InferenceServerClient(server.url)
@@ -59,11 +59,11 @@ async def test_bad_load_and_unload_bodies_are_400_and_change_nothing(start_serve
     load = f"{server.base}/v2/repository/models/mid_cnn/load"
     cases = [
         (b"not json", "load: the body is not valid JSON"),
-        (b'{"parameters": []}', "load: parameters: expected an object, got list"),
+        (b'{"parameters": []}', "load: parameters: expected an object, got array"),
         (orjson.dumps({"parameters": {"config": {"max_batch_size": 4}}}),
-         "parameters.config: expected a string holding the model-config JSON, got dict"),
+         "parameters.config: expected a string holding the model-config JSON, got object"),
         (orjson.dumps({"parameters": {"config": "{"}}), "parameters.config is not valid JSON"),
-        (orjson.dumps({"parameters": {"config": "[4]"}}), "parameters.config: expected a JSON object, got list"),
+        (orjson.dumps({"parameters": {"config": "[4]"}}), "parameters.config: expected a JSON object, got array"),
         (orjson.dumps({"parameters": {"file:1/model.onnx": "AAAA"}}), "does not take model files"),
         (orjson.dumps({"parameters": {"config": "{}", "colour": "red"}}), "parameters.colour: unknown parameter"),
         (orjson.dumps({"parameters": {"config": json.dumps({"max_batch_size": "four"})}}),

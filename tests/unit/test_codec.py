@@ -119,7 +119,7 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
           "outputs": [{"name": "o"}, {"name": "o"}]}, "output 'o' is requested twice"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}, "needs data or"),
-        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": 1}]}, "expected a list"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": 1}]}, "expected an array"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}] * 2}, "given twice"),
         ({"inputs": [{"datatype": "FP32", "shape": [1], "data": [1]}]}, "name: expected a string"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
@@ -127,6 +127,8 @@ def test_bad_bytes_length_prefixes(raw, count, fragment):
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
           "outputs": [{"name": "o", "parameters": {"classification": 3}}]}, "classification: not supported"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}], "id": 5}, "id: expected a string"),
+        (None, "request body: expected a JSON object, got null"),  # JSON's type names, not Python's
+        ({"inputs": [7]}, r"inputs\[0\]: expected an object, got number"),
     ],
 )
 def test_bad_json_requests(doc, fragment):
@@ -269,7 +271,7 @@ def test_shm_register_bodies():
 
 @pytest.mark.parametrize("kind,body,message", [
     ("system", b"", "system shared memory register request is not valid JSON"),
-    ("system", b"[]", "expected a JSON object, got list"),
+    ("system", b"[]", "expected a JSON object, got array"),
     ("system", b'{"key": "/k"}', "byte_size is required"),
     ("system", b'{"key": 3, "byte_size": 8}', "key: expected the shared memory key (a string), got 3"),
     ("system", b'{"key": "/k", "byte_size": 8, "offset": -1}', "offset: expected a non-negative integer"),

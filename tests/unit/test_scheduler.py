@@ -194,7 +194,9 @@ async def test_admission_control_refuses_what_cannot_drain_in_time_with_retry_af
     await asyncio.sleep(0)
     with pytest.raises(Unavailable) as exc:
         await submit(r, timeout_s=0.5)
-    assert "the 24 rows ahead need about 2400 ms" in exc.value.message and exc.value.retry_after_s == 3
+    assert exc.value.message == ("model 'm': the 24 rows ahead and this request's 1 need about 2500.0 ms, beyond its "
+                                 "deadline in 500.0 ms")
+    assert exc.value.retry_after_s == 3  # the 2.4 s of the rows ahead, rounded up
     ok = submit(r, timeout_s=5.0)  # 2.4 s + its own row: fits
     await asyncio.gather(*backlog, ok)
     await r.close()
