@@ -106,20 +106,7 @@ class SharedMemoryRegistry:
         if kind == "system":
             region: Region = SystemRegion(name, **params)
             if self.page_lock:
-                self._opening.add(name)
-                locking = asyncio.ensure_future(asyncio.to_thread(region.page_lock))
-                try:
-                    await asyncio.shield(locking)
-                except CudaError as exc:
-                    log.warning("system shared memory region '%s' stays pageable: %s", name, exc)
-                except asyncio.CancelledError:  # the thread goes on: the region closes when it is done
-                    locking.add_done_callback(lambda f: (f.cancelled() or f.exception(), region.close()))
-                    raise
-                finally:
-                    self._opening.discard(name)
-                if self._closed:
-                    region.close()
-                    raise Unavailable("the server is shutting down")
+                await self._page_lock(region)
         else:
             device = params["device_id"]
             staging = self._staging.setdefault(device, CudaStaging(device))
@@ -128,10 +115,25 @@ class SharedMemoryRegistry:
                 region = await asyncio.to_thread(CudaRegion, name, staging=staging, **params)
             finally:
                 self._opening.discard(name)
-            if self._closed:
-                region.close()
-                raise Unavailable("the server is shutting down")
+        if self._closed:  # closed while a thread opened it
+            region.close()
+            raise Unavailable("the server is shutting down")
         self._regions[name] = region
+
+    async def _page_lock(self, region: SystemRegion) -> None:
+        """Page-lock ``region`` in a thread (:meth:`SystemRegion.page_lock`); where CUDA refuses, it stays pageable
+        (logged). Cancelled meanwhile: the thread goes on, and the region closes when it is done."""
+        self._opening.add(region.name)
+        locking = asyncio.ensure_future(asyncio.to_thread(region.page_lock))
+        try:
+            await asyncio.shield(locking)
+        except CudaError as exc:
+            log.warning("system shared memory region '%s' stays pageable: %s", region.name, exc)
+        except asyncio.CancelledError:
+            locking.add_done_callback(lambda f: (f.cancelled() or f.exception(), region.close()))
+            raise
+        finally:
+            self._opening.discard(region.name)
 
     async def unregister(self, kind: str, name: str | None = None) -> None:
         """Unregister region ``name`` of ``kind``, or every region of ``kind`` when ``name`` is None (module
