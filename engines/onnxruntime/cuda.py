@@ -144,7 +144,7 @@ class IOBuffers:
         synchronized."""
         _, dev = self.ensure(name, rows.nbytes)
         offset = 0
-        for src, nbytes in contiguous_runs(rows.parts):
+        for src, nbytes in contiguous_runs(rows.parts, page_locked):
             memcpy_async(dev.ptr + offset, src, nbytes, "H2D", stream, repr(name))
             offset += nbytes
         if offset < rows.nbytes:
@@ -170,13 +170,14 @@ class IOBuffers:
         self.device.clear()
 
 
-def contiguous_runs(parts: list[np.ndarray]) -> list[tuple[int, int]]:
+def contiguous_runs(parts: list[np.ndarray], joinable: Callable[[int, int], bool]) -> list[tuple[int, int]]:
     """``(address, bytes)`` of each run of C-contiguous ``parts`` that follow each other in memory, in order: a part
-    starting where the previous one ends joins its run."""
+    starting where the previous one ends joins its run if ``joinable(start, bytes)`` holds for the run with it
+    (:func:`page_locked`: inside one page-locked range, as two mappings that happen to be adjacent are not)."""
     runs: list[list[int]] = []
     for part in parts:
         ptr, n = part.ctypes.data, part.nbytes
-        if runs and runs[-1][0] + runs[-1][1] == ptr:
+        if runs and runs[-1][0] + runs[-1][1] == ptr and joinable(runs[-1][0], runs[-1][1] + n):
             runs[-1][1] += n
         else:
             runs.append([ptr, n])

@@ -474,3 +474,15 @@ async def test_the_batchers_executor_runs_batches_on_the_contexts_own_thread(dev
     np.testing.assert_allclose(seen[1], _want(np.ones((2, 4))), rtol=1e-6)
     ex.close()
     assert ctx.executor is None and device.gpu.counts() == {"pinned": 0, "streams": 0}
+
+
+def test_back_to_back_parts_join_only_inside_one_locked_range():
+    from engines.onnxruntime.cuda import contiguous_runs
+
+    a = np.zeros((6, 4), np.float32)
+    parts = [a[0:1], a[1:3], a[3:4], a[5:6]]  # 0-3 back to back, then a gap
+    base = a.ctypes.data
+    assert contiguous_runs(parts, lambda ptr, n: True) == [(base, 64), (base + 80, 16)]
+    # a range boundary after row 2 (two adjacent mappings, each registered on its own): rows 0-2 | 3 | 5
+    assert contiguous_runs(parts, lambda ptr, n: ptr + n <= base + 48 or ptr >= base + 48) == [
+        (base, 48), (base + 48, 16), (base + 80, 16)]
