@@ -159,10 +159,6 @@ class SystemRegion(Region):
         finally:
             del view  # no export may outlive this call: close() unmaps
 
-    @property
-    def page_locked(self) -> bool:
-        return self._locked is not None
-
     def _view(self, offset: int, nbytes: int) -> np.ndarray:
         if self._map is None:
             raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")

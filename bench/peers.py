@@ -120,7 +120,8 @@ def tree_cpu_seconds(pid: int) -> dict[int, float]:
 
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(after[p] - before[p] for p in after if p in before and not math.isnan(after[p] - before[p]))
+    """CPU seconds between two :func:`tree_cpu_seconds` readings, over the processes alive at both."""
+    return sum(cpu_by_role(before, after).values())
 
 
 def role_of(pid: int) -> str:
@@ -135,7 +136,7 @@ def role_of(pid: int) -> str:
 
 
 def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
-    """:func:`cpu_delta` split by :func:`role_of`."""
+    """:func:`cpu_delta` split by :func:`role_of` (``engine``, ``frontend``, ``other``)."""
     out: dict[str, float] = {}
     for p in after:
         if p in before and not math.isnan(after[p] - before[p]):
@@ -386,7 +387,8 @@ async def _fixed_count(url: str, body: bytes, headers: dict[str, str], load: tup
         cpu0, t0 = tree_cpu_seconds(pid), time.perf_counter()  # every process of the server (multi-process mode)
         s = await run(n)
         cpu1, wall = tree_cpu_seconds(pid), time.perf_counter() - t0
-        cpu, roles = cpu_delta(cpu0, cpu1), cpu_by_role(cpu0, cpu1)
+        roles = cpu_by_role(cpu0, cpu1)
+        cpu = sum(roles.values())
     ok = int((s.status == 200).sum())
     lat_ok = s.latency[s.status == 200] * 1e3
     return {"requests": n, "ok": ok, "errors": n - ok, "wall_s": wall, "qps": ok / wall if wall else float("nan"),
