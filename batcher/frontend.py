@@ -94,25 +94,22 @@ class RemoteDataPlane:
         """:meth:`batcher.dataplane.DataPlane.infer` across the process boundary (module docstring); the same
         answers, counted once by the engine process that served it."""
         cfg = self.catalog.slot(model, version).cfg  # 404 before reading, as in single-process mode
+        if self._draining or not self._started:  # as in single-process mode: counted here, never in flight, so a
+            self._count_here(cfg, "rejected", received)  # drain under a stream of new requests still ends
+            raise Unavailable("server is shutting down" if self._draining else "server is not ready")
         request: InferRequest | None = None
         failure: Any = None
         error: BaseException | None = None
         self._inflight.enter()
         try:
-            if self._draining or not self._started:
-                error = Unavailable("server is shutting down" if self._draining else "server is not ready")
-                failure = error_tuple(error)
-            else:
-                try:
-                    request = await read()
-                except asyncio.CancelledError:
-                    failure = CANCELED
-                    raise
-                except Exception as exc:
-                    error, failure = exc, error_tuple(exc)
-                finally:
-                    if failure == CANCELED:
-                        self._send_failure(cfg, received, failure)
+            try:
+                request = await read()
+            except asyncio.CancelledError:
+                failure = CANCELED
+                self._send_failure(cfg, received, failure)
+                raise
+            except Exception as exc:
+                error, failure = exc, error_tuple(exc)
             return await self._infer(cfg, version is not None, received, request, failure, error, deliver)
         finally:
             self._inflight.leave()

@@ -236,6 +236,28 @@ async def test_an_answer_whose_engine_died_before_its_ack_is_counted_by_the_fron
         await engine.server.start()
 
 
+async def test_a_drain_waits_for_accepted_requests_only_not_for_the_ones_it_refuses():
+    """SIGTERM in a front end: a request arriving during the drain gets 503 at once, counted by the front end and
+    never in flight, so a stream of new requests cannot hold the drain open until its grace runs out."""
+    async with served([{"name": "m"}]) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()  # batches wait: the accepted request stays in flight
+        accepted = asyncio.ensure_future(remote.infer("m", None, now(), read(request(1)), copy_out))
+        assert await eventually(lambda: engine.rows_run == 1 or remote._inflight.count == 1)
+        drain = asyncio.ensure_future(remote.drain(60.0))
+        await asyncio.sleep(0)
+        for _ in range(3):
+            with pytest.raises(Unavailable, match="server is shutting down"):
+                await remote.infer("m", None, now(), read(request(1)), copy_out)
+        assert remote._inflight.count == 1 and not drain.done()
+        sample = remote.metrics.registry.get_sample_value
+        assert sample("batcher_request_failure_total", {"model": "m", "version": "1", "reason": "rejected"}) == 3
+        assert engine.count(reason="rejected") == 0  # nothing of them reached the engine
+        engine.gate.set()
+        assert (await accepted)[2].tolist() == [[2.0] * 4]
+        await asyncio.wait_for(drain, 5.0)
+
+
 GPU_MODEL = {"name": "m", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}], "max_batch_size": 8}
 
 
