@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
+#: Seconds after a failed load before a request may start another one (lazy/lru; the repository API's load always
+#: tries): a client cannot make the server retry a broken model, and log its failure, once per request.
+LOAD_RETRY_S = 5.0
+
 #: Triton's model states (repository extension).
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 
@@ -59,7 +63,8 @@ class ModelSlot:
         self.selected = selected  # chosen by the name's version policy
         self.state = UNAVAILABLE
         self.reason = "not loaded" if selected else "not selected by the version policy"
-        self.failed = False  # the last load failed
+        self.failed: str | None = None  # why the last load failed, while that stands
+        self.failed_at: float | None = None  # event-loop time of that failure
         self.loaded: Loaded | None = None
         self.runner: ModelRunner | None = None  # attached by a load hook
         self.stats = Stats()  # Triton's statistics over every load of this slot
@@ -256,14 +261,16 @@ class ModelRepository(ModelSlots):
                 await self._make_room(slot)
                 loaded, rss0 = await self._open(slot, slot.cfg)
                 await self._attach(slot, loaded)
-                slot.state, slot.reason, slot.failed = READY, "", False
+                slot.state, slot.reason, slot.failed = READY, "", None
                 slot.last_used = asyncio.get_running_loop().time()
                 self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
                 if self.budget is not None and self.used_bytes > self.budget.budget_bytes:
                     await self._refit(slot)  # measured above its estimate
         except ConfigError as exc:
-            slot.state, slot.reason, slot.failed = UNAVAILABLE, f"load failed: {exc}", True
-            log.error("%s", exc)
+            again = slot.failed == str(exc)  # the same failure, retried by a request: not news (WARNING)
+            slot.state, slot.reason, slot.failed = UNAVAILABLE, f"load failed: {exc}", str(exc)
+            slot.failed_at = asyncio.get_running_loop().time()
+            log.log(logging.WARNING if again else logging.ERROR, "%s%s", exc, " (again)" if again else "")
             raise
         except Unavailable as exc:
             if slot.state == LOADING:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from .errors import ConfigError, DeadlineExceeded, Unavailable
-from .repository import READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
+from .repository import LOAD_RETRY_S, READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
 from .strategy import Strategy, Target
 from .topology import weight
 
@@ -84,6 +85,10 @@ class Router:
                 if repo.strategy == "eager" or slot.sticky_unloaded:
                     raise Unavailable(f"model '{slot.name}' version {slot.version} is not loaded: {slot.reason}",
                                       retry_after_s=5)
+                wait = slot.failed_at + LOAD_RETRY_S - loop.time() if slot.failed else 0.0
+                if wait > 0:  # failed a moment ago: not retried for every request (LOAD_RETRY_S)
+                    raise Unavailable(f"model '{slot.name}' version {slot.version} is not available: {slot.reason}",
+                                      retry_after_s=math.ceil(wait))
                 repo.start_load(slot)
             task = slot.task
             if task is None:  # finished between the checks

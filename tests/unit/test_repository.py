@@ -211,6 +211,29 @@ async def test_fallback_takes_requests_when_the_model_cannot_load():
     await r.close()
 
 
+async def test_a_failed_lazy_load_is_retried_at_most_every_load_retry_s_and_logged_at_error_once(caplog):
+    """A client cannot make the server load a broken model, and log an ERROR, once per request: within LOAD_RETRY_S
+    of a failure requests get 503 at once, naming the failure and when to retry; the same failure again is a
+    WARNING; the repository API's load always tries."""
+    from batcher.repository import LOAD_RETRY_S
+
+    r, loader = repo([{"name": "a"}], FakeLoader(fail={"a"}), load_strategy="lazy")
+    for _ in range(3):
+        with pytest.raises(Unavailable) as exc:
+            await r.acquire(r.slot("a"))
+    assert loader.loads == ["a"] and "broken on purpose" in exc.value.message and exc.value.retry_after_s == 5
+    assert [rec.levelname for rec in caplog.records if "broken on purpose" in rec.message] == ["ERROR"]
+    await asyncio.sleep(LOAD_RETRY_S)  # virtual time
+    with pytest.raises(Unavailable):
+        await r.acquire(r.slot("a"))
+    assert loader.loads == ["a", "a"]
+    assert [rec.levelname for rec in caplog.records if "broken on purpose" in rec.message] == ["ERROR", "WARNING"]
+    with pytest.raises(ConfigError):
+        await r.load(r.slot("a"))  # an operator's explicit load is not held back
+    assert loader.loads == ["a", "a", "a"]
+    await r.close()
+
+
 async def test_index_filters_by_readiness():
     r, _ = repo([{"name": "a"}, {"name": "b"}], load_strategy="lazy")
     r.release(await r.acquire(r.slot("a")))
