@@ -207,7 +207,9 @@ def _serve(config, args) -> int:
         web.run_app(
             create_app(config), loop=new_event_loop(server.event_loop),
             sock=sock,
-            print=lambda _msg: log.info("serving KServe v2 on http://%s:%d", host, port),
+            # with --port 0 this line is the only way to learn the port: shown at any log level but error
+            print=lambda _msg: log.log(logging.WARNING if server.port == 0 else logging.INFO,
+                                       "serving KServe v2 on http://%s:%d", host, port),
             access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
             handle_signals=True,
             handler_cancellation=True,  # a client that goes away cancels its handler: queued work is dropped

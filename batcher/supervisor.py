@@ -237,7 +237,8 @@ class Supervisor:
             log.info("%d front end(s), engine processes for %s", len(self.frontends),
                      ", ".join(e.name[7:] for e in self.engines))
             host = f"[{self.server.host}]" if ":" in self.server.host else self.server.host
-            log.info("serving KServe v2 on http://%s:%d", host, self.port)  # the line single-process mode logs
+            log.log(logging.WARNING if self.server.port == 0 else logging.INFO,  # as single-process mode logs it
+                    "serving KServe v2 on http://%s:%d", host, self.port)
 
     def _supervise(self) -> None:
         from prometheus_client import multiprocess
