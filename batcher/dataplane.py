@@ -343,8 +343,8 @@ class DataPlane:
         """
         try:
             await load_versions(self.repository, self.repository_slots(model), config)
-        except ConfigError as exc:
-            raise InvalidInput(f"model '{model}' failed to load: {exc}") from None
+        except ConfigError as exc:  # a loader's message names the model already; a refused config does not
+            raise InvalidInput(str(exc) if "failed to load" in str(exc) else f"model '{model}': {exc}") from None
 
     async def unload(self, model: str) -> None:
         """Unload every served version of ``model`` (requests in flight finish first). Raises ModelNotFound."""

@@ -100,8 +100,8 @@ class Router:
                 await asyncio.wait_for(asyncio.shield(task), None if deadline is None else deadline - loop.time())
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(f"model '{slot.name}': deadline expired while the model was loading") from None
-            except ConfigError as exc:
-                raise Unavailable(f"model '{slot.name}' failed to load: {exc}", retry_after_s=5) from None
+            except ConfigError as exc:  # its message names the model: "models[i]: model 'm' failed to load: ..."
+                raise Unavailable(str(exc), retry_after_s=5) from None
             finally:
                 slot.waiting -= 1
             if slot.state != READY:
