@@ -92,7 +92,8 @@ class RemoteDataPlane:
                     read: Callable[[], Awaitable[InferRequest]],
                     deliver: Callable[[InferResponse], Awaitable[T]]) -> T:
         """:meth:`batcher.dataplane.DataPlane.infer` across the process boundary (module docstring); the same
-        answers, counted once by the engine process that served it."""
+        answers, each counted once: by the engine process that served it, or here when none can (refused before
+        reaching one, or its engine process died: :meth:`_count_here`)."""
         cfg = self.catalog.slot(model, version).cfg  # 404 before reading, as in single-process mode
         if self._draining or not self._started:  # as in single-process mode: counted here, never in flight, so a
             self._count_here(cfg, "rejected", received)  # drain under a stream of new requests still ends
