@@ -205,6 +205,12 @@ def release(request: web.Request) -> None:
         held.release()
 
 
+def check_declared(declared: int | None, max_bytes: int) -> None:
+    """Raises PayloadTooLarge (413) when a declared ``Content-Length`` is over ``max_bytes``: refused unread."""
+    if declared is not None and declared > max_bytes:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     """The request's body, decoded, at most ``max_bytes`` long, counted against the process's :class:`BodyBudget`
     (the request's :data:`RESERVATION`, given back by :func:`release` when its handler returns).
@@ -217,8 +223,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     """
     codings = content_codings(request.headers.get("Content-Encoding"))
     declared = request.content_length
-    if declared is not None and declared > max_bytes:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
+    check_declared(declared, max_bytes)
     plain = not codings and declared is not None
     whole = plain and request.content.is_eof()
     small = plain and declared <= UNCOUNTED_BYTES  # not counted (module docstring)

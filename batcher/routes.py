@@ -23,10 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
-from .bodies import read_body
+from .bodies import check_declared, read_body
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
 from .json_tensors import json_type
-from .errors import InvalidInput, ModelNotFound, Unauthorized
+from .errors import InvalidInput, ModelNotFound, PayloadTooLarge, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -176,11 +176,11 @@ async def expect_handler(request: web.Request) -> web.Response | None:
     answer with the final status instead, and the client then does not send the body; the connection closes after
     it); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the error
     middleware could see it)."""
-    limit = request.app[CONFIG].server.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        resp = web.Response(body=orjson.dumps({"error": f"request body of {request.content_length} bytes is over "
-                                                        f"server.max_body_bytes = {limit}"}),
-                            status=413, content_type="application/json")
+    try:
+        check_declared(request.content_length, request.app[CONFIG].server.max_body_bytes)
+    except PayloadTooLarge as exc:
+        resp = web.Response(body=orjson.dumps({"error": exc.message}), status=exc.status,
+                            content_type="application/json")
         resp.force_close()
         return resp
     try:
