@@ -65,6 +65,7 @@ class FakeGPU:
         self.host: dict[int, Any] = {}  # base pointer -> ctypes buffer (pinned)
         self.registered: dict[int, int] = {}  # cudaHostRegister: base pointer -> bytes
         self.host_register_read_only = True  # device supports cudaHostRegisterReadOnly
+        self.batch_copies = True  # the driver has cudaMemcpyBatchAsync (CUDA 12.8+)
         self.streams: dict[int, list[Callable[[], int]]] = {}
         self.capturing: dict[int, dict[str, Any]] = {}  # stream -> {"mode", "ops", "invalid"}
         self.graphs: dict[int, list[Callable[[], int]]] = {}
@@ -211,6 +212,19 @@ def make_cudart(gpu: FakeGPU) -> ModuleType:
         cudaMemcpyDeviceToHost = 2
         cudaMemcpyDeviceToDevice = 3
         cudaMemcpyDefault = 4
+
+    class cudaMemcpySrcAccessOrder(enum.IntEnum):
+        cudaMemcpySrcAccessOrderInvalid = 0
+        cudaMemcpySrcAccessOrderStream = 1
+        cudaMemcpySrcAccessOrderDuringApiCall = 2
+        cudaMemcpySrcAccessOrderAny = 3
+
+    class cudaMemcpyAttributes:
+        """The attributes of copies in a batch (only the source access order matters here)."""
+
+        def __init__(self, _ptr=0):
+            self.srcAccessOrder = cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderInvalid
+            self.flags = 0
 
     class cudaDeviceAttr(enum.IntEnum):
         cudaDevAttrComputeCapabilityMajor = 75
@@ -543,6 +557,27 @@ def make_cudart(gpu: FakeGPU) -> ModuleType:
         if not valid:
             return (E.cudaErrorInvalidValue,)
         gpu.enqueue(stream, op)
+        return (ok,)
+
+    def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream):
+        """Host-to-device copies only (what the layer batches); every copy needs an attribute with a valid source
+        access order, as CUDA checks. ``gpu.batch_copies = False`` plays a driver without the call."""
+        err = injected("cudaMemcpyBatchAsync")
+        if err is not None:
+            return (err,)
+        if not gpu.batch_copies:
+            return (E.cudaErrorNotSupported,)
+        count, stream = int(count), int(stream)
+        if stream not in gpu.streams:
+            return (E.cudaErrorInvalidResourceHandle,)
+        if (not (len(dsts) == len(srcs) == len(sizes) == count) or count == 0 or int(numAttrs) != len(attrs)
+                or list(attrsIdxs)[:1] != [0] or any(a.srcAccessOrder == 0 for a in attrs)):
+            return (E.cudaErrorInvalidValue,)
+        copies = [(int(d), int(s), int(n)) for d, s, n in zip(dsts, srcs, sizes)]
+        if not all(gpu.host_ok(s, n) and gpu.find_device(d, n) is not None for d, s, n in copies):
+            return (E.cudaErrorInvalidValue,)
+        for d, s, n in copies:  # each read when it RUNS, as DMA does
+            gpu.enqueue(stream, lambda d=d, s=s, n=n: (gpu.write(d, ctypes.string_at(s, n)), ok)[1])
         return (ok,)
 
     def cudaMemsetAsync(devPtr, value, count, stream):

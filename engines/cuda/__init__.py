@@ -8,7 +8,7 @@
 * :mod:`.stream`: :class:`Stream`, :class:`Event` (timing), :class:`Graph` (stream capture, launch);
 * :mod:`.memory`: :class:`PinnedBuffer`, :class:`DeviceBuffer`, :class:`HostRegistration`
   (``cudaHostRegister`` of an existing range), :class:`IpcMemory` (``cudaIpcOpenMemHandle``),
-  :func:`memcpy_async`, :func:`memset_async`, :func:`page_locked`;
+  :func:`memcpy_async`, :func:`memcpy_batch_async`, :func:`memset_async`, :func:`page_locked`;
 * :mod:`.gate`: :data:`CAPTURE_GATE`, the process-wide lock that keeps all CUDA work out of the way of ONNX
   Runtime's Global-mode graph captures.
 
@@ -27,6 +27,7 @@ from .memory import (
     PinnedBuffer,
     host_array,
     memcpy_async,
+    memcpy_batch_async,
     memset_async,
     page_locked,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "IPC_HANDLE_BYTES",
     "host_array",
     "memcpy_async",
+    "memcpy_batch_async",
     "memset_async",
     "page_locked",
     "CAPTURE_GATE",

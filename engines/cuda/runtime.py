@@ -64,6 +64,9 @@ CUDART_API: dict[str, tuple[str, ...]] = {
         "cudaHostUnregister",
         "cudaMemcpyKind",
         "cudaMemcpyAsync",
+        "cudaMemcpyBatchAsync",
+        "cudaMemcpyAttributes",
+        "cudaMemcpySrcAccessOrder",
         "cudaMemsetAsync",
         "cudaIpcMemHandle_t",
         "cudaIpcMemLazyEnablePeerAccess",
@@ -74,6 +77,7 @@ CUDART_API: dict[str, tuple[str, ...]] = {
     "cudaDeviceAttr": ("cudaDevAttrComputeCapabilityMajor", "cudaDevAttrComputeCapabilityMinor"),
     "cudaStreamCaptureMode": ("cudaStreamCaptureModeThreadLocal",),
     "cudaMemcpyKind": ("cudaMemcpyHostToDevice", "cudaMemcpyDeviceToHost", "cudaMemcpyDeviceToDevice"),
+    "cudaMemcpySrcAccessOrder": ("cudaMemcpySrcAccessOrderStream",),
     "cudaIpcMemHandle_t": ("getPtr",),
 }
 

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..base import DeviceContext, EngineError, RowParts, TensorSpec
-from ..cuda import (CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, memcpy_async, memset_async,
+from ..cuda import (CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, memcpy_batch_async, memset_async,
                     page_locked, set_device)
 from ..datatypes import NUMPY_DTYPES
 from .options import cuda_provider, session_options
@@ -143,10 +143,11 @@ class IOBuffers:
         (:meth:`CudaContext.gather_rows` checked it) and stay alive and unchanged until the stream has
         synchronized."""
         _, dev = self.ensure(name, rows.nbytes)
-        offset = 0
+        copies, offset = [], 0
         for src, nbytes in contiguous_runs(rows.parts, page_locked):
-            memcpy_async(dev.ptr + offset, src, nbytes, "H2D", stream, repr(name))
+            copies.append((dev.ptr + offset, src, nbytes))
             offset += nbytes
+        memcpy_batch_async(copies, stream, repr(name))  # one call, one release of the GIL, for all the runs
         if offset < rows.nbytes:
             memset_async(dev.ptr + offset, 0, rows.nbytes - offset, stream, f"{name!r} padding")
         return dev

@@ -98,15 +98,23 @@ def _want(x: np.ndarray) -> np.ndarray:
 
 
 def _copies(device) -> list[tuple[int, int, int]]:
-    """From now on, every ``cudaMemcpyAsync`` of the stand-in recorded as (source address, bytes, kind: 1 = H2D)."""
+    """From now on, every copy the stand-in takes recorded as (source address, bytes, kind: 1 = H2D), one by one
+    (``cudaMemcpyAsync``) or in a batch (``cudaMemcpyBatchAsync``, host-to-device)."""
     seen: list[tuple[int, int, int]] = []
-    real = device.fake.cudart.cudaMemcpyAsync
+    cudart = device.fake.cudart
+    one, batch = cudart.cudaMemcpyAsync, cudart.cudaMemcpyBatchAsync
 
     def spy(dst, src, count, kind, stream):
         seen.append((int(src), int(count), int(kind)))
-        return real(dst, src, count, kind, stream)
+        return one(dst, src, count, kind, stream)
 
-    device.fake.cudart.cudaMemcpyAsync = spy
+    def spy_batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream):
+        result = batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+        if result[0] == cudart.cudaError_t.cudaSuccess:
+            seen.extend((int(src), int(n), 1) for src, n in zip(srcs, sizes))
+        return result
+
+    cudart.cudaMemcpyAsync, cudart.cudaMemcpyBatchAsync = spy, spy_batch
     return seen
 
 
@@ -212,9 +220,12 @@ def test_batch_of_registered_requests_is_sent_part_by_part_without_stacking(devi
     srcs = _copies(device)
     staged = stage_batch(ctx, batch, "m", None, allowed=(1, 2, 4, 8))
     assert isinstance(staged.inputs["x"], RowParts) and staged.inputs["x"].shape == (8, 4) and staged.pad == 3
+    calls = device.fake.gpu.calls.copy()
     result = run_batch(ctx, staged, "m", (1, 2, 4, 8))
-    # no host copy; rows 0-2 (two requests back to back) in one DMA, rows 5-6 in another
+    # no host copy; rows 0-2 (two requests back to back) in one DMA, rows 5-6 in another, both in ONE call
     assert [(s, c) for s, c, k in srcs if k == 1] == [(area[0:1].ctypes.data, 3 * 16), (area[5:7].ctypes.data, 2 * 16)]
+    assert device.fake.gpu.calls["cudaMemcpyBatchAsync"] - calls["cudaMemcpyBatchAsync"] == 1
+    assert device.fake.gpu.calls["cudaMemcpyAsync"] - calls["cudaMemcpyAsync"] == 1  # the output, back
     np.testing.assert_array_equal(staging, -1.0)  # the staging buffer was not touched
     for v, got in zip(views, result.outcomes):
         np.testing.assert_allclose(got["y"], _want(v), rtol=1e-6, atol=1e-6)
@@ -228,6 +239,33 @@ def test_batch_of_registered_requests_is_sent_part_by_part_without_stacking(devi
     assert isinstance(staged.inputs["x"], np.ndarray) and staged.inputs["x"].ctypes.data == staging.ctypes.data
     out = run_batch(ctx, staged, "m", (1, 2, 4, 8)).outcomes
     np.testing.assert_allclose(out[1]["y"], _want(pageable), rtol=1e-6, atol=1e-6)
+    reg.unregister()
+    ctx.release()
+
+
+def test_without_batched_copies_each_run_of_requests_goes_by_its_own_copy(device, tmp_path):
+    """A driver without ``cudaMemcpyBatchAsync`` (before CUDA 12.8): the runs of a batch go one
+    ``cudaMemcpyAsync`` each, the outputs are the same, and the batched call is not tried again."""
+    from batcher.batching import Pending, shape_key
+    from batcher.executor import run_batch, stage_batch
+
+    device.fake.gpu.batch_copies = False
+    ctx = _engine(tmp_path).create_context()
+    area = np.zeros((8, 4), np.float32)
+    reg = cuda.HostRegistration(area.ctypes.data, area.nbytes)
+    area[:] = np.arange(32, dtype=np.float32).reshape(8, 4) / 7
+    views = [area[0:1], area[5:7]]
+    batch = [Pending({"x": v}, len(v), shape_key({"x": v}), arrival=0.0) for v in views]
+    srcs = _copies(device)
+    for _ in range(2):
+        calls = device.fake.gpu.calls.copy()
+        result = run_batch(ctx, stage_batch(ctx, batch, "m", None, allowed=(1, 2, 4, 8)), "m", (1, 2, 4, 8))
+        for v, got in zip(views, result.outcomes):
+            np.testing.assert_allclose(got["y"], _want(v), rtol=1e-6, atol=1e-6)
+        assert device.fake.gpu.calls["cudaMemcpyAsync"] - calls["cudaMemcpyAsync"] == 3  # two runs, one output
+        tried = device.fake.gpu.calls["cudaMemcpyBatchAsync"] - calls["cudaMemcpyBatchAsync"]
+        assert tried == (1 if _ == 0 else 0)  # refused once, then never asked again
+    assert [(s, c) for s, c, k in srcs if k == 1][-2:] == [(area[0:1].ctypes.data, 16), (area[5:7].ctypes.data, 32)]
     reg.unregister()
     ctx.release()
 
