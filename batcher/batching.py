@@ -9,7 +9,7 @@ Rules:
   recogniser crops of different widths go to different batches.
 * A batch holds at most ``max_batch_size`` rows; a request counts all its rows and is never split.
 * The batch is led by the most urgent waiting request - highest priority level, then earliest deadline, then
-  arrival (:func:`urgency`); requests with the same key join in that order while they fit (a request that does not
+  queue order (:func:`urgency`); requests with the same key join in that order while they fit (a request that does not
   fit is skipped, not split, and leads a later batch). Waiting longer than a bound promotes a request above every
   priority level, so low priorities are never starved longer than that bound.
 * With allowed batch sizes (:mod:`batcher.batch_sizes`), when the queue holds more rows of the key than one batch
@@ -68,6 +68,10 @@ class Pending:
     priority: int = 1
     #: held from here while the inputs may be read (:class:`batcher.protocol.Lease`); :meth:`settle` ends the hold.
     lease: Any = field(default=None, repr=False)
+    #: the order it reached the queue (the scheduler numbers its requests from 1): first in, first out among
+    #: equal level and deadline, as Triton's queue. Arrival times need not agree with it: a request is received
+    #: before its body is read, and front-end processes each stamp their own. 0 (unnumbered): arrival decides.
+    seq: int = 0
 
     def __post_init__(self) -> None:
         if self.lease is not None:
@@ -92,14 +96,14 @@ def priority_level(priority: int | None, levels: int, default_level: int) -> int
     return priority
 
 
-def urgency(p: Pending, now: float, starve_after_s: float | None = None) -> tuple[int, float, float]:
+def urgency(p: Pending, now: float, starve_after_s: float | None = None) -> tuple[int, float, int, float]:
     """Sort key of the queue: priority level (1 = highest, Triton's convention), then earliest deadline, then
-    arrival. A request that has waited ``starve_after_s`` is promoted above every level (level 0), which bounds
-    how long lower priorities can be starved."""
+    queue order (:attr:`Pending.seq`), then arrival. A request that has waited ``starve_after_s`` is promoted
+    above every level (level 0), which bounds how long lower priorities can be starved."""
     level = p.priority
     if starve_after_s is not None and now - p.arrival >= starve_after_s:
         level = 0
-    return level, (p.deadline if p.deadline is not None else math.inf), p.arrival
+    return level, (p.deadline if p.deadline is not None else math.inf), p.seq, p.arrival
 
 
 #: :func:`exact_fill` looks at this many of the most urgent requests of the batch's key at most.
@@ -112,7 +116,7 @@ def plan_batch(
 ) -> tuple[list[Pending], int]:
     """Choose the next batch from ``queue`` without changing it.
 
-    The most urgent QUEUED request (:func:`urgency`: priority, then earliest deadline, then arrival) leads; other
+    The most urgent QUEUED request (:func:`urgency`: priority, then earliest deadline, then queue order) leads; other
     QUEUED requests with its shape key join in urgency order while they fit within ``max_batch_size`` rows. With
     ``allowed`` sizes (ascending, the last ``max_batch_size``), when the key's queued rows exceed
     ``max_batch_size`` and that batch's rows are not an allowed size, the batch is instead made of exactly the

@@ -34,6 +34,7 @@ Time is the event loop's clock (``loop.time()``, monotonic), so tests can run on
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -117,14 +118,13 @@ class ModelRunner:
         self._default_level = db.default_priority_level or (db.priority_levels + 1) // 2
         self._starve_s = db.max_priority_wait_microseconds / 1e6 if db.priority_levels > 1 else None
         self._queue: list[Pending] = []
-        # the last queued request's urgency key while the queue is in urgency order (arrival order agrees with
-        # it: one level, deadlines as ordered as arrivals), None once it is not: plan_batch then needs no sort
+        self._seq = itertools.count(1)  # Pending.seq: first in, first out among equal level and deadline
+        # the last request's urgency key while the queue is in urgency order (one level, deadlines as ordered as
+        # the queue), None once it is not: plan_batch then needs no sort
         self._tail: tuple | None = ()
         self._depth = self._queued_rows = self._executing_rows = 0
-        # measured seconds per executed batch size: admission, early windows, late drops
-        self.times = BatchTimes(allowed=self._allowed)
-        self._gaps = ArrivalGaps()  # adaptive_queue_delay reads their moving average
-        self._wakeup = asyncio.Event()
+        self.times = BatchTimes(allowed=self._allowed)  # seconds per batch size: admission, windows, late drops
+        self._gaps, self._wakeup = ArrivalGaps(), asyncio.Event()  # gaps: adaptive_queue_delay's moving average
         self._window_end: float | None = None  # while the batcher waits out a window: when it ends
         self._loop = asyncio.get_running_loop()
         # no timer under uvloop's 1 ms tick: it would fire at once and the batch window would spin
@@ -175,7 +175,8 @@ class ModelRunner:
             if deadline <= now:
                 raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
-                    priority=priority_level(priority, self._levels, self._default_level), lease=lease)
+                    priority=priority_level(priority, self._levels, self._default_level), lease=lease,
+                    seq=next(self._seq))
         self._gaps.arrive(received)
         if deadline is not None:
             p.timer = self._loop.call_at(deadline, self._expire, p)

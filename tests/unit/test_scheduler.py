@@ -126,6 +126,29 @@ async def test_arrivals_inside_a_window_do_not_wake_the_batcher_unless_they_may_
     await r.close()
 
 
+async def test_requests_received_out_of_order_go_first_in_first_out_and_the_queue_is_never_sorted(monkeypatch):
+    """Front-end processes stamp arrivals with their own clocks, and a request is received before its body is read,
+    so requests reach the queue out of arrival order. Among equal level and deadline the queue is first in, first
+    out (Triton's), and the batcher keeps walking it in order: no sort per batch over a long queue."""
+    import batcher.batching as batching
+
+    sorts = []
+    real = batching.urgency
+    monkeypatch.setattr(batching, "urgency", lambda *a, **k: sorts.append(1) or real(*a, **k))
+    r, ctxs, _, _ = runner(seconds_per_row=0.010, max_batch_size=2)
+    busy = submit(r, 2, value=-1.0)
+    await asyncio.sleep(0)
+    t = now()
+    later = [asyncio.ensure_future(r.infer(rows(1, float(i)), rows=1, received=t - 0.001 * i)) for i in range(1, 7)]
+    outs = await asyncio.gather(busy, *later)
+    assert ctxs[0].batches == [2, 2, 2, 2]
+    # each output is 2 x its own input: requests 1..6 answered in queue order, batches of two
+    assert [float(o["y"][0, 0]) for o in outs[1:]] == [2.0 * i for i in range(1, 7)]
+    assert [x[:, 0].tolist() for x in ctxs[0].inputs[1:]] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert sorts == []  # batching.urgency is only the sort key: the queue never needed sorting
+    await r.close()
+
+
 async def test_requests_queue_while_the_context_is_busy_and_fill_the_next_batch():
     """One context busy for 50 ms with a request of 5 rows; 10 single rows arrive meanwhile: the next batch takes
     8 (max), the one after the last 2; shapes never mix; requests are never split."""
