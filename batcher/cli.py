@@ -194,8 +194,9 @@ def _serve(config, args) -> int:
     from aiohttp import web
 
     from .app import create_app
-    from .supervisor import new_event_loop
+    from .supervisor import new_event_loop, set_switch_interval
 
+    set_switch_interval(server.gil_switch_interval_us)
     try:
         sock = bind_socket(server.host, server.port)
     except OSError as exc:

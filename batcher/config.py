@@ -105,6 +105,12 @@ class ServerConfig(_Strict):
     inline_execution_us: int = Field(100, ge=0, le=10_000)
     #: every process's event loop; uvloop (extra "uvloop") costs less CPU, its timers tick in milliseconds
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    #: ``sys.setswitchinterval`` of the processes that run executor threads (the single process, each engine
+    #: process), in microseconds: how long a thread that wants the GIL back (an executor returning from CUDA or
+    #: ONNX Runtime) waits before the busy event loop is made to drop it. 200 measured best on the H200
+    #: (``bench.gpu_scale`` part s, 8 front ends: 0.76 and 0.87 of the raw engine at 200 against 0.70 at 5,000 and
+    #: 0.81 at 1,000; README "Many front ends, shared memory, two GPUs"); null: Python's own (5,000)
+    gil_switch_interval_us: int | None = Field(200, ge=10, le=100_000)
 
     @model_validator(mode="before")
     @classmethod

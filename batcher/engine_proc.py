@@ -340,11 +340,12 @@ async def run_engine(config: Config, device: int | None, path: str, ready: Any, 
 def engine_main(config: Config, device: int | None, path: str, log_level: str, ready: Any) -> None:
     """The engine process (``multiprocessing`` spawn target): pins ``device`` first (``CUDA_VISIBLE_DEVICES``
     lists it first, :class:`batcher.topology.DeviceOrder`)."""
-    from .supervisor import child_setup, run
+    from .supervisor import child_setup, run, set_switch_interval
 
     gpus = [d for d in engine_devices(config) if d is not None]
     devices = DeviceOrder(device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
     if devices.pinned:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
     child_setup(f"engine {device_name(device)}", log_level)
+    set_switch_interval(config.server.gil_switch_interval_us)
     sys.exit(run(run_engine(config, device, path, ready, devices), config.server.event_loop))

@@ -68,6 +68,14 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def set_switch_interval(us: int | None) -> None:
+    """``sys.setswitchinterval`` from ``server.gil_switch_interval_us`` (microseconds); None keeps Python's
+    (5 ms). With a busy event loop, a thread returning from a call that released the GIL (a CUDA copy, ONNX
+    Runtime's run) waits up to this long for it, once per such call."""
+    if us is not None:
+        sys.setswitchinterval(us / 1e6)
+
+
 def run(coro: Any, kind: str) -> Any:
     """Run ``coro`` to its end on a new event loop of ``kind`` (:func:`new_event_loop`)."""
     loop = new_event_loop(kind)

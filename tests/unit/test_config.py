@@ -210,3 +210,25 @@ def test_the_inflight_body_budget_is_1_gib_never_below_max_body_bytes():
                          "models": M}).server.max_inflight_body_bytes == 2048
     with pytest.raises(ConfigError, match=r"max_inflight_body_bytes \(4096\) is below max_body_bytes \(8192\)"):
         parse_config({"server": {"max_body_bytes": 8192, "max_inflight_body_bytes": 4096}, "models": M})
+
+
+def test_the_gil_switch_interval_is_200_us_by_default_and_applied_in_microseconds():
+    """server.gil_switch_interval_us: 200 (measured on the H200, bench.gpu_scale part s), null keeps Python's own;
+    the processes that run executors apply it with sys.setswitchinterval (seconds)."""
+    import sys
+
+    from batcher.supervisor import set_switch_interval
+
+    M = [{"name": "a", "path": "p"}]
+    assert parse_config({"models": M}).server.gil_switch_interval_us == 200
+    assert parse_config({"server": {"gil_switch_interval_us": None}, "models": M}).server.gil_switch_interval_us is None
+    with pytest.raises(ConfigError, match=r"gil_switch_interval_us"):
+        parse_config({"server": {"gil_switch_interval_us": 5}, "models": M})
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(200)
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+        set_switch_interval(None)  # keeps what is set
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+    finally:
+        sys.setswitchinterval(before)
