@@ -13,6 +13,10 @@ one image per request, binary tensors; each row has the throughput, p50/p99, the
 CPU per request (all its processes) and the ratio to the raw engine's rows/s at that batch size (part r, same run).
 
 * (r) ``gpu_a_raw``: the raw engine (bench.gpu_bench's part a) at ``--precision``: the reference of the ratios;
+* (d) ``scale_d_dma``: one context's batch of 32 by where its input lies (pinned staging, a registered
+  front-end area one DMA per request or back to back), alone and beside a thread running Python; GPU only;
+* (s) ``scale_s_switch``: throughput at saturation by the engine's GIL switch interval (``--switch-sweep-us``,
+  ``server.gil_switch_interval_us``), at the largest ``--frontends``;
 * (n) ``scale_n_frontends``: throughput at saturation (``--clients``) for ``--frontends`` (0: single-process
   mode; default 0,1,2,4,8), the curve the issue asks for;
 * (m) ``scale_m_shm``: the input in system shared memory (Triton's extension, one registered segment) against
@@ -42,7 +46,7 @@ from bench.scripts import comma_list, script_parser
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpu_scale", __doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_scale"), help="folder for CSV, tables, PNG")
-    p.add_argument("--parts", default="r,n,m,t,g", help="which parts: r (raw engine), n, m, t, g, p")
+    p.add_argument("--parts", default="r,n,m,t,g", help="which parts: r (raw engine), d, s, n, m, t, g, p")
     p.add_argument("--model", default="resnet18", help="zoo model (default: resnet18)")
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"], help="GPU precision")
     p.add_argument("--instances", type=int, default=1, help="execution contexts per GPU (default: 1)")
@@ -53,12 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step")
+    p.add_argument("--gil-switch-us", type=switch_value, default=None,
+                   help="server.gil_switch_interval_us of every step (default: the server's, 200); 'best': part s's")
+    p.add_argument("--switch-sweep-us", type=comma_list(int), default=[5000, 1000, 200, 50],
+                   help="(s): the values to try")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="(r): seconds per batch size")
     p.add_argument("--profile-seconds", type=float, default=4.0, help="(p): seconds of CPU sampling")
     p.add_argument("--py-spy", default=None, help="(p): the py-spy binary (default: py-spy on PATH, else none)")
     add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
     args = p.parse_args(argv)
-    parts = chosen_parts(p, args.parts, "r,n,m,t,g,p")
+    parts = chosen_parts(p, args.parts, "r,d,s,n,m,t,g,p")
     args.kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     if args.device == "cpu":
         args.precision = "fp32"
@@ -67,15 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def switch_value(text: str) -> int | str:
+    """``--gil-switch-us``: microseconds, or ``best`` (part s's fastest)."""
+    return text if text == "best" else int(text)
+
+
 def run_parts(parts: set[str], args) -> None:
     """The raw engine (always: the ratios' reference), then each part asked for, in order."""
-    from bench.gpubench import profile, scale
+    from bench.gpubench import dma, profile, scale
     from bench.gpubench.raw import part_a
 
     t0 = time.perf_counter()
     say(f"== (r) raw engine: {args.model} {args.precision}")
     raw = part_a([args.model], [args.precision], args.device, args.raw_seconds, args.out)
-    for key, title, fn in (("n", "front ends", scale.part_frontends), ("m", "system shared memory", scale.part_shm),
+    if args.gil_switch_us == "best" and "s" not in parts:
+        args.gil_switch_us = None  # the server's default
+    for key, title, fn in (("d", "host-to-device paths", dma.part_dma), ("s", "GIL switch interval", scale.part_switch),
+                           ("n", "front ends", scale.part_frontends), ("m", "system shared memory", scale.part_shm),
                            ("t", "retention", scale.part_retention), ("g", "two GPUs", scale.part_gpus),
                            ("p", "where the CPU goes", profile.part_profile)):
         if key in parts:

@@ -98,13 +98,14 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
             before, t0 = thread_cpu(server.proc.pid), time.monotonic()
             time.sleep(args.profile_seconds)
             after, wall = thread_cpu(server.proc.pid), time.monotonic() - t0
-            spy_out = out / "scale_p_spy.txt"
+            spy_out, gil_out = out / "scale_p_spy.txt", out / "scale_p_spy_gil.txt"
             if spy:
                 out.mkdir(parents=True, exist_ok=True)
-                subprocess.run([spy, "record", "--subprocesses", "--pid", str(server.proc.pid), "--duration",
-                                str(max(1, round(args.profile_seconds))), "--rate", "200", "--format", "raw",
-                                "--nonblocking", "--output", str(spy_out)], capture_output=True, text=True,
-                               timeout=args.profile_seconds + 60)
+                for extra, path in (([], spy_out), (["--gil"], gil_out)):  # --gil: only the thread holding it
+                    subprocess.run([spy, "record", "--subprocesses", "--pid", str(server.proc.pid), "--duration",
+                                    str(max(1, round(args.profile_seconds))), "--rate", str(SPY_RATE), "--format",
+                                    "raw", "--nonblocking", *extra, "--output", str(path)], capture_output=True,
+                                   text=True, timeout=args.profile_seconds + 60)
             loader.join()
             role_of = roles(server.log(), server.proc.pid)
     rows = []
@@ -122,4 +123,27 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
     if spy and spy_out.is_file():
         finish(out, "scale_p_functions", "(p) py-spy: this project's functions on most samples per process role (inclusive)",
                top_functions(spy_out.read_text(), role_of))
+    if spy and gil_out.is_file():
+        finish(out, "scale_p_gil", "(p) py-spy --gil: share of the time each process's GIL is held (samples holding "
+               f"it over {SPY_RATE}/s x {max(1, round(args.profile_seconds))} s), and its functions on most of them",
+               gil_held(gil_out.read_text(), role_of, SPY_RATE * max(1, round(args.profile_seconds))))
     return rows
+
+
+#: py-spy's samples per second
+SPY_RATE = 200
+
+
+def gil_held(raw: str, role_of: dict[int, str], expected: int) -> list[dict]:
+    """Per role, from a ``py-spy record --gil`` raw profile: the share of ``expected`` samples in which one of its
+    threads held the GIL (1.0: the process is bound by its GIL), then its functions on most of them."""
+    rows = top_functions(raw, role_of, n=8)
+    totals: collections.Counter = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        procs = [f for f in stack.split(";") if f.startswith("process ")]
+        if procs and count.isdigit():
+            totals[role_of.get(int(procs[-1].split(":")[0].split()[1]), "?")] += int(count)
+    head = [{"role": role, "function": "(GIL held)", "samples": c, "share": round(c / expected, 3)}
+            for role, c in sorted(totals.items())]
+    return head + rows

@@ -5,6 +5,7 @@ batch size it formed (part r of the same run)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import time
@@ -39,6 +40,8 @@ def model_entry(name: str, args, gpus: list[int] | None = None) -> dict:
 def server_config(models: list[dict], frontends: int, args, shm: bool = False) -> dict:
     server = {"frontends": frontends, "event_loop": args.event_loop, "log_level": "warning",
               "frontend_buffer_mb": args.buffer_mb}
+    if args.gil_switch_us is not None:
+        server["gil_switch_interval_us"] = args.gil_switch_us
     if shm:
         server["shared_memory"] = {"system": True}
     return {"server": server, "models": models}
@@ -50,13 +53,29 @@ def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str]
     cfg = SweepConfig(url=server.url, model=model, mode="closed", concurrency=[clients], duration=args.duration,
                       warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
                       metrics_url=server.base + "/metrics")
+    before = server.metrics()
     cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
     row = run_sweep(cfg, body, headers)[0]
     cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
     row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
     # the whole machine (server, load generator, kernel): is the box itself the bound?
     row["machine_busy_cores"] = (machine_busy_seconds() - busy0) / (time.monotonic() - t0)
+    row.update(batch_times(before, server.metrics(), model))
     return row
+
+
+def batch_times(before: dict, after: dict, model: str) -> dict:
+    """The engine's own account of the step (warm-up included), from /metrics: ms per batch stacking inputs and
+    executing (on the context's thread: copies, the engine, the wait for the GPU), and ms per request queued."""
+    def delta(sample: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items()
+                   if k[0] == sample and ("model", model) in k[1])
+
+    batches = max(delta("batcher_execution_count_total"), 1.0)
+    return {"stack_ms_per_batch": round(delta("batcher_compute_input_seconds_total") / batches * 1e3, 3),
+            "execute_ms_per_batch": round(delta("batcher_compute_infer_seconds_total") / batches * 1e3, 3),
+            "queue_ms_per_request": round(delta("batcher_queue_duration_seconds_sum")
+                                          / max(delta("batcher_queue_duration_seconds_count"), 1.0) * 1e3, 3)}
 
 
 def machine_busy_seconds() -> float:
@@ -74,6 +93,7 @@ def summary(row: dict, raw: list[dict], args, **keys) -> dict:
             "p99_ms": round(float(row["p99_ms"]), 2), "avg_batch": round(batch, 2), "errors": row["errors"],
             "errors_by_status": row.get("errors_by_status", ""),
             "server_cpu_ms_per_request": round(row["server_cpu_ms_per_request"], 3),
+            **{k: row[k] for k in ("stack_ms_per_batch", "execute_ms_per_batch", "queue_ms_per_request")},
             "machine_busy_cores": f"{row['machine_busy_cores']:.1f}/{os.cpu_count()}",
             "raw_rows_per_s_at_batch": round(ref, 1) if ref else None,
             "over_raw": round(float(row["achieved_qps"]) / ref, 3) if ref else None}
@@ -104,6 +124,29 @@ def part_frontends(raw: list[dict], args, out: Path) -> list[dict]:
 
     finish(out, "scale_n_frontends", f"(n) {args.model} at saturation ({args.clients} clients) by front ends", rows,
            plot)
+    return rows
+
+
+def part_switch(raw: list[dict], args, out: Path) -> list[dict]:
+    """(s) ``server.gil_switch_interval_us`` at saturation, the largest number of front ends of --frontends: how
+    long the engine's executor thread may wait for the GIL against its event loop. With ``--gil-switch-us best``
+    the later parts of the run use the value of the highest throughput here."""
+    n = max(args.frontends)
+    body, headers = binary_request()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for us in args.switch_sweep_us:
+            args_us = argparse.Namespace(**{**vars(args), "gil_switch_us": us})
+            cfg = server_config([model_entry(args.model, args)], n, args_us)
+            with ServerProcess(cfg, Path(tmp), name=f"switch-{us}", timeout_s=600) as server:
+                rows.append(summary(load(server, args.model, body, headers, args.clients, args), raw, args,
+                                    gil_switch_interval_us=us, frontends=n))
+            say(f"  (s) {rows[-1]}")
+    if args.gil_switch_us == "best" and rows:
+        args.gil_switch_us = max(rows, key=lambda r: r["qps"])["gil_switch_interval_us"]
+        say(f"  (s) the later parts use gil_switch_interval_us {args.gil_switch_us}")
+    finish(out, "scale_s_switch", f"(s) {args.model} at saturation by the engine's GIL switch interval "
+           f"({n} front ends)", rows)
     return rows
 
 

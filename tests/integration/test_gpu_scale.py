@@ -31,3 +31,20 @@ def test_the_profile_part_names_every_process_and_its_threads(tmp_path):
     main_threads = {r["role"] for r in rows if r["thread"] == "main"}
     assert {"engine-cpu", "frontend-0"} <= main_threads
     assert float(next(r["cores"] for r in rows if r["role"] == "frontend-0" and r["thread"] == "main")) > 0
+
+
+def test_the_switch_interval_part_sweeps_and_hands_the_best_value_to_later_parts(tmp_path, capsys):
+    """Part s on the CPU: one step per --switch-sweep-us value, each with the engine's own account of its batches
+    from /metrics; with --gil-switch-us best the later parts use the fastest value. Part d needs a GPU: skipped."""
+    out = tmp_path / "scale"
+    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,d,s,m", "--model", "tiny_cnn", "--frontends", "1",
+                 "--clients", "4", "--client-processes", "1", "--duration", "0.5", "--warmup", "0.2",
+                 "--raw-seconds", "0.02", "--delay-us", "500", "--buffer-mb", "16",
+                 "--switch-sweep-us", "5000,200", "--gil-switch-us", "best"]) == 0
+    rows = read_csv(out / "scale_s_switch.csv")
+    assert [r["gil_switch_interval_us"] for r in rows] == ["5000", "200"]
+    assert all(r["errors"] == "0" and float(r["execute_ms_per_batch"]) > 0 for r in rows)
+    best = max(rows, key=lambda r: float(r["qps"]))["gil_switch_interval_us"]
+    printed = capsys.readouterr().out
+    assert f"the later parts use gil_switch_interval_us {best}" in printed and "(d) skipped" in printed
+    assert not (out / "scale_d_dma.csv").exists() and (out / "scale_m_shm.csv").is_file()

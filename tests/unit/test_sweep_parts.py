@@ -433,3 +433,23 @@ def test_busy_suite_reads_pytests_summary_line():
     assert summary_counts("718 passed in 234.82s (0:03:54)\n") == {"passed": 718, "failed": 0, "errors": 0,
                                                                    "skipped": 0}
     assert summary_counts("no tests ran\n") == {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+
+
+def test_gil_held_share_per_process_from_a_py_spy_gil_profile():
+    """bench.gpu_scale part p: from ``py-spy record --gil --format raw`` lines (stack;...;frame count), the share of
+    the expected samples in which each process held its GIL, then its functions of this project."""
+    from bench.gpubench.profile import gil_held
+
+    engine = 'process 10:"python -m batcher serve";process 11:"spawn_main"'
+    front = 'process 10:"python -m batcher serve";process 12:"spawn_main"'
+    raw = "\n".join([
+        f"{engine};run (batcher/supervisor.py:84);plan_batch (batcher/batching.py:143) 300",
+        f"{engine};Thread.run (threading.py:1010);run_batch (batcher/executor.py:132) 100",
+        f"{front};infer (batcher/routes.py:98) 160",
+        "a line that is no sample",
+    ])
+    rows = gil_held(raw, {11: "engine-gpu0", 12: "frontend-0"}, expected=800)
+    held = {r["role"]: r["share"] for r in rows if r["function"] == "(GIL held)"}
+    assert held == {"engine-gpu0": 0.5, "frontend-0": 0.2}
+    plan = next(r for r in rows if r["function"] == "plan_batch (batcher/batching.py)")
+    assert (plan["role"], plan["samples"], plan["share"]) == ("engine-gpu0", 300, 0.75)
