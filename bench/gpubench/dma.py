@@ -90,16 +90,16 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
             ctx.execute({"input": staging})
             return top
 
-        def one_call_each(k: int) -> int:  # what the layer does without cudaMemcpyBatchAsync
-            batched = memory._BATCH_COPIES.get(memory.runtime().cudaMemcpyBatchAsync)
-            memory._BATCH_COPIES[memory.runtime().cudaMemcpyBatchAsync] = False
+        def one_call_each(k: int) -> int:  # what the layer does where the driver lacks cudaMemcpyBatchAsync
+            binding = memory.runtime().cudaMemcpyBatchAsync
+            known = memory._BATCH_COPIES.get(binding)
+            memory._BATCH_COPIES[binding] = False  # the layer's own "refused here" mark, undone below
             try:
                 ctx.execute({"input": spaced_in})
             finally:
-                if batched is None:
-                    memory._BATCH_COPIES.pop(memory.runtime().cudaMemcpyBatchAsync, None)
-                else:
-                    memory._BATCH_COPIES[memory.runtime().cudaMemcpyBatchAsync] = batched
+                memory._BATCH_COPIES.pop(binding, None)
+                if known is not None:
+                    memory._BATCH_COPIES[binding] = known
             return top
 
         cases = {"numpy -> pinned": copied,
