@@ -98,6 +98,10 @@ class ServerConfig(_Strict):
     #: front-end processes before one engine process per GPU (batcher.topology); 0: single-process mode; null:
     #: the usable cores, at most 8, and 0 on 2 cores or fewer (README "Serving modes")
     frontends: int | None = Field(None, ge=0, le=64)
+    #: per_device: one engine process per GPU (and one for KIND_CPU models); per_model: one per model name on each
+    #: of its devices, so models share no GIL, event loop or crash (batcher.topology; README "Serving modes").
+    #: Multi-process mode only.
+    engine_processes: Literal["per_device", "per_model"] = "per_device"
     #: MiB of shared memory per front end and engine process, for tensors of 64 KiB and more (batcher.ipc)
     frontend_buffer_mb: int = Field(64, ge=1, le=65536)
     #: a CPU context whose batches average at most this much CPU runs them on the event loop, not its thread
@@ -130,6 +134,9 @@ class ServerConfig(_Strict):
             raise ValueError("load_strategy lru needs memory_budget_mb")
         if self.load_strategy != "lru" and self.memory_budget_mb is not None:
             raise ValueError(f"memory_budget_mb applies to load_strategy lru only, not {self.load_strategy}")
+        if self.engine_processes == "per_model" and self.load_strategy == "lru":
+            raise ValueError("engine_processes per_model cannot be used with load_strategy lru: each engine process "
+                             "would keep its own memory budget, and no process could unload one model for another")
         if self.repository_token is not None and not self.repository_api:
             raise ValueError("repository_token is set but repository_api is false")
         if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:

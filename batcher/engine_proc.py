@@ -1,4 +1,5 @@
-"""An engine process of multi-process mode: the queues, batchers, executors and contexts of one device, serving
+"""An engine process of multi-process mode: the queues, batchers, executors and contexts of one device (or of one
+model on it: :class:`batcher.topology.Engine`), serving
 front-end processes over Unix sockets (:mod:`batcher.ipc`).
 
 Per front end (:class:`FrontendConnection`): each REQ message runs :meth:`DataPlane.infer` as a task, with
@@ -38,7 +39,7 @@ from .loader import load_model
 from .metrics import Metrics
 from .protocol import InferResponse, Lease
 from .repository import ModelRepository
-from .topology import DeviceOrder, contexts_on, device_name, engine_config, engine_devices, engine_slots, placed_on
+from .topology import DeviceOrder, Engine, contexts_on, engine_config, engine_devices, engine_slots, placed_on
 
 log = logging.getLogger(__name__)
 
@@ -306,15 +307,15 @@ def engine_loader(device: int | None):
     return load
 
 
-async def run_engine(config: Config, device: int | None, path: str, ready: Any, devices: DeviceOrder) -> int:
-    """Load the models of ``device``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
+async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder) -> int:
+    """Load the models of ``engine``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
     code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
     ``("error", message)``."""
     from .errors import ConfigError
 
-    cfg = engine_config(config, device)
+    cfg = engine_config(config, engine)
     metrics = Metrics()
-    repository = ModelRepository(cfg, metrics, loader=engine_loader(device), serves=placed_on(device))
+    repository = ModelRepository(cfg, metrics, loader=engine_loader(engine.device), serves=placed_on(engine))
     dataplane = DataPlane(cfg, metrics, repository, deliver_checks_deadline=True)
     try:
         await dataplane.start()
@@ -322,14 +323,14 @@ async def run_engine(config: Config, device: int | None, path: str, ready: Any, 
         log.error("%s", exc)
         ready.send(("error", str(exc)))
         return 2
-    server = EngineServer(dataplane, device, path, config.server.frontend_buffer_mb << 20,
-                          engine_slots(config, device), devices)
+    server = EngineServer(dataplane, engine.device, path, config.server.frontend_buffer_mb << 20,
+                          engine_slots(config, engine), devices)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("engine process for %s: %d model version(s) ready", device_name(device), len(server.slot_index))
+    log.info("engine process for %s: %d model version(s) ready", engine.name, len(server.slot_index))
     ready.send(("ready", os.getpid()))
     await stop.wait()
     await server.close()
@@ -337,15 +338,15 @@ async def run_engine(config: Config, device: int | None, path: str, ready: Any, 
     return 0
 
 
-def engine_main(config: Config, device: int | None, path: str, log_level: str, ready: Any) -> None:
-    """The engine process (``multiprocessing`` spawn target): pins ``device`` first (``CUDA_VISIBLE_DEVICES``
+def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready: Any) -> None:
+    """The engine process (``multiprocessing`` spawn target): pins its device first (``CUDA_VISIBLE_DEVICES``
     lists it first, :class:`batcher.topology.DeviceOrder`)."""
     from .supervisor import child_setup, run, set_switch_interval
 
     gpus = [d for d in engine_devices(config) if d is not None]
-    devices = DeviceOrder(device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    devices = DeviceOrder(engine.device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
     if devices.pinned:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
-    child_setup(f"engine {device_name(device)}", log_level)
+    child_setup(f"engine {engine.name}", log_level)
     set_switch_interval(config.server.gil_switch_interval_us)
-    sys.exit(run(run_engine(config, device, path, ready, devices), config.server.event_loop))
+    sys.exit(run(run_engine(config, engine, path, ready, devices), config.server.event_loop))

@@ -23,7 +23,7 @@ from .protocol import InferRequest, InferResponse
 from .remote import EngineLink, EngineLost
 from .repository import ModelSlots
 from .strategy import Strategy, Target
-from .topology import device_name, engine_devices, engine_slots, model_devices, weight
+from .topology import Engine, engine_slots, engines, model_engines, weight
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +34,19 @@ class RemoteDataPlane:
     """The data plane of one front end: inference and every other call, answered by the engine processes.
 
     Args:
-        paths: the Unix socket of each engine process, by device (:func:`batcher.topology.engine_devices`).
+        paths: the Unix socket of each engine process (:func:`batcher.topology.engines`).
         metrics: counts what no engine can (a request for a model whose engine processes are all down).
     """
 
-    def __init__(self, config: Config, metrics: Metrics, paths: dict[int | None, str]) -> None:
+    def __init__(self, config: Config, metrics: Metrics, paths: dict[Engine, str]) -> None:
         self.config = config
         self.metrics = metrics
         self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
-        self.links = [EngineLink(d, paths[d], engine_slots(config, d)) for d in engine_devices(config)]
-        by_device = {link.device: link for link in self.links}
-        self._links_of = {(m.name, str(m.version)): [by_device[d] for d in model_devices(m)] for m in config.models}
+        self.links = [EngineLink(e, paths[e], engine_slots(config, e)) for e in engines(config)]
+        by_engine = {link.engine: link for link in self.links}
+        self._links_of = {(m.name, str(m.version)): [by_engine[e] for e in model_engines(config, m)]
+                          for m in config.models}
         self._inflight = Inflight()
         self._rids = itertools.count()
         self._started = False
@@ -84,7 +85,7 @@ class RemoteDataPlane:
             return None
         if request is None or len(options) == 1:
             return options[0]
-        targets = [Target(f"{c.name}/{c.version}@{device_name(link.device)}", weight(c, link.device),
+        targets = [Target(f"{c.name}/{c.version}@{link.engine.name}", weight(c, link.engine.device),
                           link.load((c.name, str(c.version)))) for link, c in options]
         return options[self.strategy.choose(cfg.name, targets, key)]
 
@@ -313,7 +314,7 @@ def merge_index(models: list[ModelConfig], docs: list[tuple[set[tuple[str, str]]
 
 
 # ---------------------------------------------------------------------------------------------- process entry
-def frontend_main(config: Config, index: int, paths: dict[int | None, str], host: str, port: int, access_log: bool,
+def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: str, port: int, access_log: bool,
                   log_level: str, ready: Any) -> None:
     """A front-end process (``multiprocessing`` spawn target): the HTTP app on ``host:port`` with
     ``SO_REUSEPORT``, until SIGTERM (drain, then exit) or SIGINT. ``ready`` gets ``("ready", pid)`` once it

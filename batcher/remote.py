@@ -32,7 +32,7 @@ from .errors import RemoteError, Unavailable
 from .ipc import (ABORT, ACK, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
                   recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
-from .topology import device_name
+from .topology import Engine
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,9 @@ class _Sent:
 class EngineLink:
     """One front end's connection to one engine process (reconnected after the engine process restarts)."""
 
-    def __init__(self, device: int | None, path: str, keys: list[tuple[str, str]]) -> None:
-        self.device = device
-        self.name = f"engine process for {device_name(device)}"
+    def __init__(self, engine: Engine, path: str, keys: list[tuple[str, str]]) -> None:
+        self.engine = engine
+        self.name = f"engine process for {engine.name}"
         self.path = path
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}

@@ -36,7 +36,7 @@ from typing import Any
 from .cli import bind_socket
 from .config import Config
 from .errors import ConfigError
-from .topology import device_name, engine_devices
+from .topology import engines
 
 log = logging.getLogger("batcher")
 
@@ -154,9 +154,10 @@ class Supervisor:
         from .engine_proc import engine_main
         from .frontend import frontend_main
 
-        self.paths = {d: os.path.join(self.dir, f"engine-{device_name(d)}.sock") for d in engine_devices(config)}
-        self.engines = [_Child("engine", f"engine-{device_name(d)}", engine_main,
-                               (config, d, self.paths[d], self.server.log_level)) for d in self.paths]
+        # sockets by index: a model's name may be long or odd, and a socket path has 107 bytes at most
+        self.paths = {e: os.path.join(self.dir, f"engine-{i}.sock") for i, e in enumerate(engines(config))}
+        self.engines = [_Child("engine", f"engine-{e.name}", engine_main,
+                               (config, e, self.paths[e], self.server.log_level)) for e in self.paths]
         self.frontends = [_Child("frontend", f"frontend-{i}", frontend_main,
                                  (config, i, self.paths, access_log, self.server.log_level))
                           for i in range(frontends)]

@@ -10,11 +10,18 @@ front end compute the same answers).
   models if any, owns the queues, batchers and execution contexts placed on its device. A model version placed
   on two GPUs (``instance_group: [{gpus: [0, 1]}]``, Triton's meaning: ``count`` contexts on each) has one queue
   per GPU, each in its own engine process.
+* ``server.engine_processes: per_model``: one engine process per model name on each of its devices instead (an
+  :class:`Engine` names a device and, here, a model), as Ray Serve runs a replica per deployment. Models then do
+  not share a GIL, an event loop or a crash (retention measured by ``bench.gpu_scale`` part t, layouts
+  ``shared`` and ``per_model``); each process costs its own CUDA context and its own shared areas with every
+  front end.
 """
 
 from __future__ import annotations
 
 import os
+
+from typing import NamedTuple
 
 from .config import Config, ModelConfig
 
@@ -57,6 +64,37 @@ def engine_devices(config: Config) -> list[int | None]:
     return sorted(d for d in devices if d is not None) + ([None] if None in devices else [])
 
 
+class Engine(NamedTuple):
+    """An engine process of multi-process mode: its device (a GPU, or None: the CPU) and, under
+    ``engine_processes: per_model``, the one model it serves (None: every model placed on the device)."""
+
+    device: int | None
+    model: str | None = None
+
+    @property
+    def name(self) -> str:
+        """How logs, process names and routing targets call it: ``gpu0``, ``cpu``, ``gpu0:resnet18``."""
+        return device_name(self.device) + (f":{self.model}" if self.model is not None else "")
+
+    def serves(self, cfg: ModelConfig) -> bool:
+        """Whether this engine process serves (some contexts of) the model version ``cfg``."""
+        return self.device in model_devices(cfg) and self.model in (None, cfg.name)
+
+
+def engines(config: Config) -> list[Engine]:
+    """The engine processes of multi-process mode: per device (:func:`engine_devices` order); under
+    ``engine_processes: per_model``, per device one for each model placed there, in config order."""
+    if config.server.engine_processes == "per_device":
+        return [Engine(d) for d in engine_devices(config)]
+    return [Engine(d, name) for d in engine_devices(config)
+            for name in dict.fromkeys(m.name for m in config.models if d in model_devices(m))]
+
+
+def model_engines(config: Config, cfg: ModelConfig) -> list[Engine]:
+    """The engine processes serving the model version ``cfg``, in :func:`engines` order (one per device)."""
+    return [e for e in engines(config) if e.serves(cfg)]
+
+
 def uses_gpu(config: Config) -> bool:
     """Whether a model of ``config`` runs on a GPU."""
     return any(d is not None for m in config.models for d in model_devices(m))
@@ -77,31 +115,31 @@ def selected_versions(cfgs: list[ModelConfig]) -> set[int]:
     return set(policy.specific) & set(versions)
 
 
-def engine_config(config: Config, device: int | None) -> Config:
-    """The config of the engine process serving ``device``: every version of each model with a version placed
-    there (so the version policy reads as configured), entries unchanged (metadata and ``/config`` show every
+def engine_config(config: Config, engine: Engine) -> Config:
+    """The config of the engine process ``engine``: every version of each model with a version it serves (so the
+    version policy reads as configured), entries unchanged (metadata and ``/config`` show every
     instance group); it serves the versions :func:`placed_on` names and creates the contexts :func:`contexts_on`
     counts. A ``fallback`` to a model the engine process does not have is dropped (a fallback works within one
     engine process)."""
-    names = {m.name for m in config.models if device in model_devices(m)}
+    names = {m.name for m in config.models if engine.serves(m)}
     models = [m if m.fallback is None or m.fallback in names else m.model_copy(
         update={"fallback": None, "fallback_queue_depth": None}) for m in config.models if m.name in names]
     return config.model_copy(update={"models": models})
 
 
-def placed_on(device: int | None):
-    """Whether a model version has contexts on ``device`` (the repository's ``serves`` in an engine process)."""
-    return lambda cfg: device in model_devices(cfg)
+def placed_on(engine: Engine):
+    """Whether ``engine`` serves a model version (the repository's ``serves`` in an engine process)."""
+    return engine.serves
 
 
-def engine_slots(config: Config, device: int | None) -> list[tuple[str, str]]:
-    """(name, version) of the model versions the engine process of ``device`` serves (selected and placed
-    there), in config order: the order of its status area, which front ends read."""
+def engine_slots(config: Config, engine: Engine) -> list[tuple[str, str]]:
+    """(name, version) of the model versions the engine process ``engine`` serves (selected and placed there),
+    in config order: the order of its status area, which front ends read."""
     by_name: dict[str, list[ModelConfig]] = {}
     for m in config.models:
         by_name.setdefault(m.name, []).append(m)
     return [(m.name, str(m.version)) for m in config.models
-            if device in model_devices(m) and m.version in selected_versions(by_name[m.name])]
+            if engine.serves(m) and m.version in selected_versions(by_name[m.name])]
 
 
 def contexts_on(cfg: ModelConfig, device: int | None) -> int:

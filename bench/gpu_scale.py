@@ -22,7 +22,9 @@ CPU per request (all its processes) and the ratio to the raw engine's rows/s at 
 * (m) ``scale_m_shm``: the input in system shared memory (Triton's extension, one registered segment) against
   binary HTTP, at the largest number of front ends;
 * (t) ``scale_t_retention``: two copies of the model served together, ``--retention-clients`` each (seed 002's
-  measure: 16), alone then together: what each keeps, and the seed's ratio;
+  measure: 16), alone then together: what each keeps, and the seed's ratio; both in one engine process
+  (``shared``), in an engine process each (``per_model``) or in a server each (``separate``,
+  ``--retention-layouts``); first ``scale_t_raw_pair``, two contexts with no HTTP;
 * (g) ``scale_g_gpus``: ``gpus: [0]`` against ``gpus: [0, 1]`` (one engine process and queue per GPU), twice the
   clients on two; skipped on a machine with one GPU.
 * (p) ``scale_p_threads`` (and, with py-spy, ``scale_p_functions``): CPU per thread of every server process at
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="uvloop", help="server.event_loop")
     p.add_argument("--buffer-mb", type=int, default=256, help="server.frontend_buffer_mb (per front end x engine)")
     p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")
+    p.add_argument("--retention-layouts", type=comma_list(layout), default=["shared", "per_model"],
+                   help="(t): shared (one engine process, both models), per_model (engine_processes: per_model), "
+                        "separate (a server per model)")
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step")
     p.add_argument("--gil-switch-us", type=switch_value, default=None,
@@ -73,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
 
     run_parts(parts, args)
     return 0
+
+
+def layout(text: str) -> str:
+    """``--retention-layouts``: shared, per_model or separate."""
+    if text not in ("shared", "per_model", "separate"):
+        raise ValueError(text)
+    return text
 
 
 def switch_value(text: str) -> int | str:

@@ -99,3 +99,51 @@ def part_a(models: list[str], precisions: list[str], device: str, seconds: float
     finish(out, "gpu_a_precision", "(a) precision at batch 32: throughput ratios and errors against fp32 on CPU",
            summary)
     return rows
+
+
+def part_pair(model: str, precision: str, device: str, seconds: float, out: Path, sizes=(4, 8, 32)) -> list[dict]:
+    """Retention of the GPU itself: two contexts of ``model`` in this process (two engines, as two models served
+    together), each running batches back to back on its own thread, alone and then both at once; rows/s of each
+    and what each keeps. No HTTP, no queue: the bound a server can reach when two models share one device."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines.onnxruntime import OnnxRuntimeEngine
+    from engines.zoo import resolve
+
+    path = resolve(f"zoo:{model}")
+    x = images(max(SIZES))
+    engines = [OnnxRuntimeEngine(path, device=device, batch_sizes=SIZES, precision=precision) for _ in range(2)]
+    contexts = [e.create_context() for e in engines]
+    rows: list[dict] = []
+    try:
+        def loop(ctx, b: int) -> float:
+            staging = ctx.host_buffer("input", (max(SIZES), *x.shape[1:]), x.dtype)
+
+            def run(k: int) -> int:
+                view = staging[:b] if staging is not None else np.empty((b, *x.shape[1:]), x.dtype)
+                np.copyto(view, x[:b])
+                ctx.execute({"input": view})
+                return b
+
+            return on_thread(ctx, lambda: timed_loop(run, seconds))[0]
+
+        for b in sizes:
+            alone = [loop(ctx, b) for ctx in contexts]
+            with ThreadPoolExecutor(2) as pool:
+                together = list(pool.map(lambda c: loop(c, b), contexts))
+            for i in range(2):
+                rows.append({"context": "ab"[i], "batch": b, "alone_rows_per_s": round(alone[i], 1),
+                             "together_rows_per_s": round(together[i], 1), "kept": round(together[i] / alone[i], 3)})
+            rows.append({"context": "sum", "batch": b, "alone_rows_per_s": round(sum(alone), 1),
+                         "together_rows_per_s": round(sum(together), 1),
+                         "kept": round(sum(together) / sum(alone), 3)})
+            say(f"  (t) raw pair, batch {b}: alone {[round(a) for a in alone]}, together {[round(t) for t in together]}"
+                f" rows/s: kept {rows[-1]['kept']}")
+    finally:
+        for ctx in contexts:
+            ctx.release()
+        for e in engines:
+            e.release()
+    finish(out, "scale_t_raw_pair", f"(t) the device alone: two {model} contexts, each on its own thread, batches "
+           "back to back, alone then together", rows)
+    return rows

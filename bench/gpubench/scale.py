@@ -6,6 +6,7 @@ batch size it formed (part r of the same run)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -37,9 +38,10 @@ def model_entry(name: str, args, gpus: list[int] | None = None) -> dict:
     return entry
 
 
-def server_config(models: list[dict], frontends: int, args, shm: bool = False) -> dict:
+def server_config(models: list[dict], frontends: int, args, shm: bool = False,
+                  engine_processes: str = "per_device") -> dict:
     server = {"frontends": frontends, "event_loop": args.event_loop, "log_level": "warning",
-              "frontend_buffer_mb": args.buffer_mb}
+              "frontend_buffer_mb": args.buffer_mb, "engine_processes": engine_processes}
     if args.gil_switch_us is not None:
         server["gil_switch_interval_us"] = args.gil_switch_us
     if shm:
@@ -193,29 +195,54 @@ def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
 def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
     """(t) seed 002's retention: two copies of the model served together, ``--retention-clients`` clients each,
     alone and then both at once; each keeps ``together / alone`` of its throughput, and the seed's ratio is the
-    sum together over the sum alone."""
+    sum together over the sum alone. Layouts (``--retention-layouts``): ``shared``, one server, both models in its
+    engine process; ``per_model``, one server with ``engine_processes: per_model`` (an engine process per model,
+    the front ends shared); ``separate``, a server per model (its own engine process and half the front ends),
+    both on the device. First the device alone (:func:`bench.gpubench.raw.part_pair`): the bound of both layouts."""
+    from .raw import part_pair
+
+    part_pair(args.model, args.precision, args.device, max(args.raw_seconds, 0.02) * 2, out)
     n = max(args.frontends)
     body, headers = binary_request()
     names = ("a", "b")
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = server_config([model_entry(name, args) for name in names], n, args)
-        with ServerProcess(cfg, Path(tmp), name="retention", timeout_s=600) as server:
-            alone = {m: load(server, m, body, headers, args.retention_clients, args) for m in names}
-            say(f"  (t) alone: { {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
+    rows = []
+    for layout in args.retention_layouts:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            if layout != "separate":
+                cfg = server_config([model_entry(name, args) for name in names], n, args,
+                                    engine_processes="per_device" if layout == "shared" else "per_model")
+                one = stack.enter_context(ServerProcess(cfg, Path(tmp), name="retention", timeout_s=600))
+                servers = {m: one for m in names}
+            else:
+                servers = {m: stack.enter_context(ServerProcess(
+                    server_config([model_entry(m, args)], max(1, n // 2), args), Path(tmp), name=f"retention-{m}",
+                    timeout_s=600)) for m in names}
+            alone = {m: load(servers[m], m, body, headers, args.retention_clients, args) for m in names}
+            say(f"  (t) {layout}, alone: { {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
             with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
                 together = dict(zip(names, pool.map(
-                    lambda m: load(server, m, body, headers, args.retention_clients, args), names)))
-    rows = []
-    for m in names:
-        a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
-        rows.append({"model": m, "clients": args.retention_clients, "frontends": n, "alone_qps": round(a, 1),
-                     "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
-                     "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
-                     "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2)})
-    total_alone = sum(r["alone_qps"] for r in rows)
-    rows.append({"model": "sum (seed's ratio)", "clients": args.retention_clients, "frontends": n,
-                 "alone_qps": round(total_alone, 1), "together_qps": round(sum(r["together_qps"] for r in rows), 1),
-                 "kept": round(sum(r["together_qps"] for r in rows) / total_alone, 3) if total_alone else None})
+                    lambda m: load(servers[m], m, body, headers, args.retention_clients, args), names)))
+        part = []
+        for m in names:
+            a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
+            part.append({"layout": layout, "model": m, "clients": args.retention_clients,
+                         "frontends": n if layout == "shared" else max(1, n // 2),
+                         "alone_qps": round(a, 1), "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
+                         "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
+                         "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2),
+                         "alone_execute_ms_per_batch": alone[m]["execute_ms_per_batch"],
+                         "together_execute_ms_per_batch": together[m]["execute_ms_per_batch"],
+                         "alone_p50_ms": round(float(alone[m]["p50_ms"]), 2),
+                         "together_p50_ms": round(float(together[m]["p50_ms"]), 2),
+                         "together_machine_busy_cores": f"{together[m]['machine_busy_cores']:.1f}/{os.cpu_count()}"})
+        total_alone = sum(r["alone_qps"] for r in part)
+        total_together = sum(r["together_qps"] for r in part)
+        part.append({"layout": layout, "model": "sum (seed's ratio)", "clients": args.retention_clients,
+                     "frontends": part[0]["frontends"], "alone_qps": round(total_alone, 1),
+                     "together_qps": round(total_together, 1),
+                     "kept": round(total_together / total_alone, 3) if total_alone else None})
+        say(f"  (t) {layout}: kept {[r['kept'] for r in part]}")
+        rows += part
     finish(out, "scale_t_retention", "(t) retention: two models served together against alone", rows)
     return rows
 

@@ -307,3 +307,39 @@ def test_a_model_on_several_gpus_needs_multi_process_mode(start_server, tmp_path
         start_server({"server": {"frontends": 0}, "models": [
             {"name": "r", "path": "zoo:tiny_cnn", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}]}]})
     assert "needs multi-process mode (server.frontends >= 1" in str(exc.value)
+
+
+async def test_engine_processes_per_model_isolate_models_and_answer_as_single_process_mode(default_server,
+                                                                                          start_server):
+    """``engine_processes: per_model``: an engine process per model, named by it; answers byte for byte those of
+    single-process mode; one model's engine process killed with kill -9 leaves the other model answering 200
+    while its own model answers 503 until its process is back; the counts match what was sent."""
+    models = [m for m in _default_config()["models"] if m["name"] in ("tiny_cnn", "mid_cnn")]
+    server = start_server({"server": {"frontends": 1, "engine_processes": "per_model"}, "models": models})
+    _wait_log(server, r"serving KServe v2")
+    pids = {m: int(_wait_log(server, rf"engine-cpu:{m} ready \(pid (\d+)\)")[0]) for m in ("tiny_cnn", "mid_cnn")}
+    assert len(set(pids.values())) == 2
+    x = np.random.default_rng(5).random((2, 3, 224, 224), dtype=np.float32)
+    for model in ("tiny_cnn", "mid_cnn"):
+        path = f"/v2/models/{model}/infer"
+        assert await _exchange(server.base, "POST", path, **_binary(x)) == \
+            await _exchange(default_server.base, "POST", path, **_binary(x))
+    os.kill(pids["mid_cnn"], signal.SIGKILL)
+    _wait_log(server, r"the engine-cpu:mid_cnn process \(pid \d+\) died")
+    status, _, _, _ = await _exchange(server.base, "POST", "/v2/models/tiny_cnn/infer", **_binary(x))
+    assert status == 200  # the other model's process is untouched
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.base}/v2/models/mid_cnn/infer", **_binary(x)) as r:
+            assert (r.status, r.headers.get("Retry-After")) == (503, "1")
+            assert "engine process" in orjson.loads(await r.read())["error"]
+    _wait_log(server, r"engine-cpu:mid_cnn ready", count=2)
+    for _ in range(200):  # the front end reconnects by itself
+        status, _, _, _ = await _exchange(server.base, "POST", "/v2/models/mid_cnn/infer", **_binary(x))
+        if status == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert status == 200
+    assert server.metric("batcher_request_success_total", model="tiny_cnn", version="1") == 2
+    assert server.metric("batcher_process_restart_total", process="engine") == 1
+    assert server.stop() == 0
+    assert "Traceback" not in server.log()

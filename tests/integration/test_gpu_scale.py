@@ -4,6 +4,8 @@ measuring. The numbers are not measurements."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.gpu_scale import main
 from bench.sweep.report import read_csv
 
@@ -48,3 +50,22 @@ def test_the_switch_interval_part_sweeps_and_hands_the_best_value_to_later_parts
     printed = capsys.readouterr().out
     assert f"the later parts use gil_switch_interval_us {best}" in printed and "(d) skipped" in printed
     assert not (out / "scale_d_dma.csv").exists() and (out / "scale_m_shm.csv").is_file()
+
+
+def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
+    """Part t on the CPU: the device alone (two contexts, no HTTP) at each size, then per layout each model alone
+    and together with its kept share and the seed's ratio; ``per_model`` runs an engine process per model."""
+    out = tmp_path / "scale"
+    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,t", "--model", "tiny_cnn", "--frontends", "1",
+                 "--clients", "4", "--client-processes", "1", "--duration", "0.4", "--warmup", "0.1",
+                 "--raw-seconds", "0.01", "--delay-us", "500", "--buffer-mb", "16", "--retention-clients", "2",
+                 "--retention-layouts", "per_model"]) == 0
+    pair = read_csv(out / "scale_t_raw_pair.csv")
+    assert [(r["context"], r["batch"]) for r in pair] == [(c, b) for b in ("4", "8", "32") for c in ("a", "b", "sum")]
+    rows = read_csv(out / "scale_t_retention.csv")
+    assert [(r["layout"], r["model"]) for r in rows] == [("per_model", "a"), ("per_model", "b"),
+                                                         ("per_model", "sum (seed's ratio)")]
+    for r in rows:
+        assert float(r["alone_qps"]) > 0 and float(r["together_qps"]) > 0
+        # kept is computed before the rates are rounded to 0.1 for the table
+        assert float(r["kept"]) == pytest.approx(float(r["together_qps"]) / float(r["alone_qps"]), rel=0.02, abs=0.002)

@@ -24,7 +24,7 @@ from batcher.frontend import RemoteDataPlane
 from batcher.metrics import Metrics
 from batcher.protocol import InferRequest, InferResponse
 from batcher.repository import ModelRepository
-from batcher.topology import device_name, engine_config, engine_devices, engine_slots, placed_on
+from batcher.topology import engine_config, engine_slots, engines, placed_on
 
 AREA_ROWS = 4096  # x FP32 [4096, 4] = 64 KiB: the smallest request that travels through the shared area
 
@@ -33,8 +33,8 @@ class Engine:
     """One engine process's parts, in this process: its data plane (fake model, batches 'take' 10 ms per row of
     real time unless gated) and its server on a Unix socket."""
 
-    def __init__(self, config, device, path: str, seconds_per_row: float) -> None:
-        cfg = engine_config(config, device)
+    def __init__(self, config, engine, path: str, seconds_per_row: float) -> None:
+        cfg = engine_config(config, engine)
         self.metrics = Metrics()
         self.loader = FakeLoader()
         self.gate = asyncio.Event()
@@ -46,9 +46,9 @@ class Engine:
             self.executors.append(ex)
             return ex
 
-        repo = ModelRepository(cfg, self.metrics, loader=self.loader, serves=placed_on(device))
+        repo = ModelRepository(cfg, self.metrics, loader=self.loader, serves=placed_on(engine))
         self.dataplane = DataPlane(cfg, self.metrics, repo, executor, deliver_checks_deadline=True)
-        self.server = EngineServer(self.dataplane, device, path, 1 << 20, engine_slots(config, device))
+        self.server = EngineServer(self.dataplane, engine.device, path, 1 << 20, engine_slots(config, engine))
 
     async def start(self) -> None:
         await self.dataplane.start()
@@ -84,21 +84,25 @@ class GatedExecutor(SleepExecutor):
 
 
 @contextlib.asynccontextmanager
-async def served(models: list[dict], seconds_per_row: float = 0.0, **routing):
-    """Engine processes for ``models`` (one per device) and a front end's RemoteDataPlane connected to them."""
-    config = parse_config({"routing": routing, "models": [{"path": "unused.onnx", **m} for m in models]})
+async def served(models: list[dict], seconds_per_row: float = 0.0, server: dict | None = None, **routing):
+    """Engine processes for ``models`` (one per device, or as ``server.engine_processes`` says) and a front end's
+    RemoteDataPlane connected to them; the engines by device (under ``per_model``: by engine name)."""
+    config = parse_config({"server": server or {}, "routing": routing,
+                           "models": [{"path": "unused.onnx", **m} for m in models]})
     with tempfile.TemporaryDirectory() as tmp:
-        engines = {d: Engine(config, d, str(Path(tmp) / f"{device_name(d)}.sock"), seconds_per_row)
-                   for d in engine_devices(config)}
-        for e in engines.values():
+        keys = engines(config)
+        parts = {e: Engine(config, e, str(Path(tmp) / f"engine-{i}.sock"), seconds_per_row)
+                 for i, e in enumerate(keys)}
+        for e in parts.values():
             await e.start()
-        remote = RemoteDataPlane(config, Metrics(), {d: e.server.path for d, e in engines.items()})
+        remote = RemoteDataPlane(config, Metrics(), {k: e.server.path for k, e in parts.items()})
+        engines_by = {(k.device if k.model is None else k.name): e for k, e in parts.items()}
         await remote.start()
         try:
-            yield remote, engines
+            yield remote, engines_by
         finally:
             await remote.close()
-            for e in engines.values():
+            for e in parts.values():
                 e.gate.set()
                 await e.stop()
 
@@ -274,6 +278,23 @@ async def test_least_queue_sends_requests_to_the_gpu_with_less_work_waiting():
             assert (engines[0].rows_run, engines[1].rows_run) == (1, 5)
             engines[0].gate.set()
             await asyncio.gather(*busy)
+
+
+async def test_per_model_engine_processes_each_serve_one_model_and_the_front_end_routes_by_model():
+    """``engine_processes: per_model``: a front end has a link per model's engine process; each request reaches the
+    process of its model only, each process counts its own, and the merged statistics and index cover both."""
+    models = [{"name": "a", "max_batch_size": 8}, {"name": "b", "max_batch_size": 8}]
+    async with served(models, server={"engine_processes": "per_model"}) as (remote, engines):
+        assert [link.name for link in remote.links] == ["engine process for cpu:a", "engine process for cpu:b"]
+        for model, n in (("a", 3), ("b", 1), ("a", 2)):
+            name, _, y = await remote.infer(model, None, now(), read(request(n, 2.0)), copy_out)
+            assert name == model and y.tolist() == [[4.0] * 4] * n
+        assert (engines["cpu:a"].rows_run, engines["cpu:b"].rows_run) == (5, 1)
+        counts = lambda: [(e.count("a"), e.count("b")) for e in (engines["cpu:a"], engines["cpu:b"])]  # noqa: E731
+        assert await eventually(lambda: counts() == [(2, 0), (0, 1)])  # each counted once, by its own process
+        stats = {s["name"]: s["inference_count"] for s in (await remote.statistics())["model_stats"]}
+        assert stats == {"a": 5, "b": 1}
+        assert [(e["name"], e["state"]) for e in await remote.repository_index()] == [("a", "READY"), ("b", "READY")]
 
 
 async def test_weighted_splits_requests_between_gpus_by_instance_group_weight():

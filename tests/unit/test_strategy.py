@@ -13,7 +13,8 @@ import pytest
 from batcher.config import parse_config
 from batcher.errors import ConfigError
 from batcher.strategy import Strategy, Target, least_queue, rendezvous
-from batcher.topology import DeviceOrder, default_frontends, engine_devices, engine_slots, model_devices, weight
+from batcher.topology import (DeviceOrder, Engine, default_frontends, engine_config, engine_devices, engine_slots,
+                              engines, model_devices, model_engines, weight)
 
 KEYS = [f"user-{i}" for i in range(1000)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,8 +102,44 @@ def test_placement_weights_and_engine_processes_follow_the_instance_groups():
     assert (weight(r, 0), weight(r, 1), weight(r)) == (3, 4, 7)
     assert (weight(c1), model_devices(c1)) == (5, [None])
     assert engine_devices(config) == [0, 1, None]  # one engine process per GPU, then one for the CPU models
-    assert engine_slots(config, 1) == [("r", "1")]
-    assert engine_slots(config, None) == [("c", "2")]  # version 1 is not served (latest: 1)
+    assert engines(config) == [Engine(0), Engine(1), Engine(None)]
+    assert engine_slots(config, Engine(1)) == [("r", "1")]
+    assert engine_slots(config, Engine(None)) == [("c", "2")]  # version 1 is not served (latest: 1)
+
+
+
+def test_engine_processes_per_model_give_each_model_its_own_process_on_each_of_its_devices():
+    """``engine_processes: per_model``: an engine process per (device, model name), in device then config order;
+    every version of a model goes to its model's processes, a fallback to another model is dropped (it would be
+    in another process), and the engine names say which model each serves."""
+    config = parse_config({"server": {"engine_processes": "per_model"}, "models": [
+        {"name": "a", "path": "p", "instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}], "fallback": "b"},
+        {"name": "b", "path": "p", "instance_group": [{"kind": "KIND_GPU", "gpus": [0]}]},
+        {"name": "c", "path": "p"},
+        {"name": "c", "version": 2, "path": "p"},
+        {"name": "d", "path": "p", "fallback": "c"},
+    ]})
+    a, b, c1, c2, d = config.models
+    assert engines(config) == [Engine(0, "a"), Engine(0, "b"), Engine(1, "a"), Engine(None, "c"), Engine(None, "d")]
+    assert [e.name for e in engines(config)] == ["gpu0:a", "gpu0:b", "gpu1:a", "cpu:c", "cpu:d"]
+    assert model_engines(config, a) == [Engine(0, "a"), Engine(1, "a")] and model_engines(config, b) == [Engine(0, "b")]
+    assert model_engines(config, c1) == model_engines(config, c2) == [Engine(None, "c")]
+    assert engine_slots(config, Engine(0, "b")) == [("b", "1")]
+    assert engine_slots(config, Engine(None, "c")) == [("c", "1"), ("c", "2")]  # both versions, one process
+    only_a = engine_config(config, Engine(0, "a"))
+    assert [m.name for m in only_a.models] == ["a"] and only_a.models[0].fallback is None
+    assert [m.name for m in engine_config(config, Engine(None, "c")).models] == ["c", "c"]
+    # the default: one engine process per device, every model placed there
+    per_device = parse_config({"models": [{"name": "a", "path": "p"}, {"name": "b", "path": "p"}]})
+    assert engines(per_device) == [Engine(None)] and Engine(None).name == "cpu"
+    assert engine_slots(per_device, Engine(None)) == [("a", "1"), ("b", "1")]
+
+
+def test_engine_processes_per_model_refuse_lru():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"server": {"engine_processes": "per_model", "load_strategy": "lru", "memory_budget_mb": 100},
+                      "models": [{"name": "a", "path": "p"}]})
+    assert "per_model cannot be used with load_strategy lru" in str(exc.value)
 
 
 def test_default_frontends_by_cores():
