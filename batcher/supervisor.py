@@ -13,6 +13,9 @@ port 0 resolves once and no other program takes it meanwhile). Then it watches t
   answered, at most ``server.shutdown_grace_s``) and exit; then the engine processes release their models and
   exit; exit code 0. SIGINT stops every process at once.
 
+With ``server.cuda_mps`` it starts NVIDIA's MPS control daemon before the engine processes and stops it after
+them (:mod:`batcher.mps`).
+
 Metrics: ``PROMETHEUS_MULTIPROC_DIR`` is a fresh folder under the supervisor's private runtime folder (with the
 engines' sockets), set before any process imports prometheus-client, marked for each dead process
 (``mark_process_dead``) and removed at exit. Children die with the supervisor (``PR_SET_PDEATHSIG``).
@@ -36,6 +39,7 @@ from typing import Any
 from .cli import bind_socket
 from .config import Config
 from .errors import ConfigError
+from .mps import MpsDaemon
 from .topology import engines
 
 log = logging.getLogger("batcher")
@@ -148,6 +152,7 @@ class Supervisor:
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before this process or any child imports it
         self.ctx = mp.get_context("spawn")
+        self.mps = MpsDaemon(self.dir) if self.server.cuda_mps else None
         self.stopping: str | None = None  # "drain" (SIGTERM) or "now" (SIGINT)
         self.announced = False
         self.drain_deadline = 0.0
@@ -194,6 +199,12 @@ class Supervisor:
                 log.error("cannot serve on %s:%d: %s", self.server.host, self.server.port, exc.strerror or exc)
                 return 1
             self.port = self.reservation.getsockname()[1]
+            if self.mps is not None:
+                try:
+                    self.mps.start()  # before any engine process starts: they inherit its environment
+                except ConfigError as exc:
+                    log.error("%s", exc)
+                    return 2
             for c in self.frontends:
                 c.args = (*c.args[:3], self.server.host, self.port, *c.args[3:])
             code = self._start_engines()
@@ -205,6 +216,8 @@ class Supervisor:
             return 0
         finally:
             self._stop_all()
+            if self.mps is not None:
+                self.mps.stop()
             shutil.rmtree(self.dir, ignore_errors=True)
             log.info("stopped")
 

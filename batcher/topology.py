@@ -165,11 +165,16 @@ def weight(cfg: ModelConfig, device: int | None = None) -> float:
 
 def single_process_problem(config: Config) -> str | None:
     """Why ``config`` cannot run in single-process mode, or None: a model placed on several GPUs needs one engine
-    process per GPU."""
+    process per GPU; ``engine_processes: per_model`` and ``cuda_mps`` are about engine processes."""
     for i, m in enumerate(config.models):
         if len(model_devices(m)) > 1:
             return (f"models[{i}] ({m.name}) is placed on GPUs {model_devices(m)}: serving a model on several GPUs "
                     "needs multi-process mode (server.frontends >= 1: one engine process per GPU)")
+    for key, value, default in (("engine_processes", config.server.engine_processes, "per_device"),
+                                ("cuda_mps", config.server.cuda_mps, False)):
+        if value != default:
+            return (f"server.{key}: {str(value).lower()} applies to the engine processes of multi-process mode "
+                    "(server.frontends >= 1); single-process mode has none")
     return None
 
 

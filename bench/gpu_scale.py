@@ -23,8 +23,8 @@ CPU per request (all its processes) and the ratio to the raw engine's rows/s at 
   binary HTTP, at the largest number of front ends;
 * (t) ``scale_t_retention``: two copies of the model served together, ``--retention-clients`` each (seed 002's
   measure: 16), alone then together: what each keeps, and the seed's ratio; both in one engine process
-  (``shared``), in an engine process each (``per_model``) or in a server each (``separate``,
-  ``--retention-layouts``); first ``scale_t_raw_pair``, two contexts with no HTTP;
+  (``shared``), in an engine process each (``per_model``), the same under NVIDIA MPS (``per_model_mps``) or in a
+  server each (``separate``, ``--retention-layouts``); first ``scale_t_raw_pair``, two contexts with no HTTP;
 * (g) ``scale_g_gpus``: ``gpus: [0]`` against ``gpus: [0, 1]`` (one engine process and queue per GPU), twice the
   clients on two; skipped on a machine with one GPU.
 * (p) ``scale_p_threads`` (and, with py-spy, ``scale_p_functions``): CPU per thread of every server process at
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")
     p.add_argument("--retention-layouts", type=comma_list(layout), default=["shared", "per_model"],
                    help="(t): shared (one engine process, both models), per_model (engine_processes: per_model), "
-                        "separate (a server per model)")
+                        "per_model_mps (the same with server.cuda_mps: NVIDIA MPS), separate (a server per model)")
     p.add_argument("--duration", type=float, default=6.0, help="measured seconds per step")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step")
     p.add_argument("--gil-switch-us", type=switch_value, default=None,
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="(s): the values to try")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="(r): seconds per batch size")
     p.add_argument("--profile-seconds", type=float, default=4.0, help="(p): seconds of CPU sampling")
+    p.add_argument("--profile-transport", choices=["binary", "shm"], default="binary",
+                   help="(p): the load's input: binary HTTP, or system shared memory (one registered region)")
     p.add_argument("--py-spy", default=None, help="(p): the py-spy binary (default: py-spy on PATH, else none)")
     add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
     args = p.parse_args(argv)
@@ -81,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def layout(text: str) -> str:
-    """``--retention-layouts``: shared, per_model or separate."""
-    if text not in ("shared", "per_model", "separate"):
+    """``--retention-layouts``: shared, per_model, per_model_mps or separate."""
+    if text not in ("shared", "per_model", "per_model_mps", "separate"):
         raise ValueError(text)
     return text
 

@@ -12,6 +12,7 @@ Python, is the bound; a machine with idle cores and no such thread is bound else
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -24,8 +25,8 @@ from pathlib import Path
 from bench.peers import CLK_TCK, descendants
 from bench.server import ServerProcess
 
-from .common import finish, say
-from .scale import binary_request, load, model_entry, server_config
+from .common import finish, images, say
+from .scale import binary_request, load, model_entry, server_config, shm_input
 
 _READY = re.compile(r"((?:engine|frontend)-\S+) ready \(pid (\d+)\)")
 _FRAME = re.compile(r" \((.*?):\d+\)")
@@ -85,11 +86,18 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
     if spy and not os.access(spy, os.X_OK):
         say(f"  (p) {spy}: not an executable; no py-spy profile")
         spy = None
-    body, headers = binary_request()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = server_config([model_entry(args.model, args)], frontends, args)
+    shm = getattr(args, "profile_transport", "binary") == "shm"
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        if shm:
+            register, body, headers = stack.enter_context(shm_input(images(1, seed=2)))
+        else:
+            body, headers = binary_request()
+        cfg = server_config([model_entry(args.model, args)], frontends, args, shm=shm)
         cfg["server"]["log_level"] = "info"  # the supervisor's "<name> ready (pid N)" lines name the processes
         with ServerProcess(cfg, Path(tmp), name="profile", timeout_s=600) as server:
+            if shm:
+                register(server)
             result: dict = {}
             loader = threading.Thread(target=lambda: result.update(
                 row=load(server, args.model, body, headers, args.clients, args)))
@@ -116,10 +124,11 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
             rows.append({"role": role_of.get(pid, f"pid {pid}"), "pid": pid, "thread": "main" if tid == pid else
                          f"{name} {tid}", "cores": round(cores, 2)})
     row = result.get("row", {})
-    say(f"  (p) {frontends} front ends, {args.instances} context(s): {float(row.get('achieved_qps', 0)):.0f} req/s, "
-        f"{len(rows)} busy threads")
+    how = "system shared memory" if shm else "binary HTTP"
+    say(f"  (p) {frontends} front ends, {args.instances} context(s), {how}: "
+        f"{float(row.get('achieved_qps', 0)):.0f} req/s, {len(rows)} busy threads")
     finish(out, "scale_p_threads", f"(p) {args.model}: CPU per thread at saturation ({frontends} front ends, "
-           f"{args.instances} context(s), {float(row.get('achieved_qps', 0)):.0f} req/s)", rows)
+           f"{args.instances} context(s), {how}, {float(row.get('achieved_qps', 0)):.0f} req/s)", rows)
     if spy and spy_out.is_file():
         finish(out, "scale_p_functions", "(p) py-spy: this project's functions on most samples per process role (inclusive)",
                top_functions(spy_out.read_text(), role_of))

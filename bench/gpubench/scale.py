@@ -39,9 +39,9 @@ def model_entry(name: str, args, gpus: list[int] | None = None) -> dict:
 
 
 def server_config(models: list[dict], frontends: int, args, shm: bool = False,
-                  engine_processes: str = "per_device") -> dict:
+                  engine_processes: str = "per_device", cuda_mps: bool = False) -> dict:
     server = {"frontends": frontends, "event_loop": args.event_loop, "log_level": "warning",
-              "frontend_buffer_mb": args.buffer_mb, "engine_processes": engine_processes}
+              "frontend_buffer_mb": args.buffer_mb, "engine_processes": engine_processes, "cuda_mps": cuda_mps}
     if args.gil_switch_us is not None:
         server["gil_switch_interval_us"] = args.gil_switch_us
     if shm:
@@ -152,42 +152,50 @@ def part_switch(raw: list[dict], args, out: Path) -> list[dict]:
     return rows
 
 
-def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
-    """(m) the input in system shared memory (one read-only segment every request names; outputs binary), against
-    binary HTTP, at the largest number of front ends of --frontends."""
+@contextlib.contextmanager
+def shm_input(x):
+    """A POSIX segment (``/dev/shm``) holding ``x`` and the JSON body of a request whose input ``input`` names it
+    (region ``scale-input``; outputs binary): yields ``(register, body, headers)``, ``register(server)`` registering
+    the segment with a server. The segment is unlinked on exit."""
     from multiprocessing.shared_memory import SharedMemory
 
     import numpy as np
     import orjson
 
-    n = max(args.frontends)
-    x = images(1, seed=2)
     region = "scale-input"
-    segment = SharedMemory(name=f"trtb-scale-{id(args)}", create=True, size=x.nbytes)  # a POSIX segment, /dev/shm
-    key = "/" + segment.name
-    rows: list[dict] = []
+    segment = SharedMemory(name=f"trtb-scale-{os.getpid()}-{id(x)}", create=True, size=x.nbytes)
     try:
         np.ndarray(x.shape, x.dtype, buffer=segment.buf)[...] = x
-
         body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "parameters": {
             "shared_memory_region": region, "shared_memory_byte_size": x.nbytes}}],
             "parameters": {"binary_data_output": True}})
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = server_config([model_entry(args.model, args)], n, args, shm=True)
-            with ServerProcess(cfg, Path(tmp), name="shm", timeout_s=600) as server:
-                import urllib.request
 
-                reg = orjson.dumps({"key": key, "offset": 0, "byte_size": x.nbytes})
-                urllib.request.urlopen(urllib.request.Request(
-                    f"{server.base}/v2/systemsharedmemory/region/{region}/register", data=reg), timeout=60).read()
-                for transport, (b, h) in (("binary", binary_request()),
-                                          ("system shm", (body, {"Content-Type": "application/json"}))):
-                    rows.append(summary(load(server, args.model, b, h, args.clients, args), raw, args,
-                                        frontends=n, transport=transport))
-                    say(f"  (m) {rows[-1]}")
+        def register(server: ServerProcess) -> None:
+            import urllib.request
+
+            reg = orjson.dumps({"key": "/" + segment.name, "offset": 0, "byte_size": x.nbytes})
+            urllib.request.urlopen(urllib.request.Request(
+                f"{server.base}/v2/systemsharedmemory/region/{region}/register", data=reg), timeout=60).read()
+
+        yield register, body, {"Content-Type": "application/json"}
     finally:
         segment.close()
         segment.unlink()
+
+
+def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
+    """(m) the input in system shared memory (one read-only segment every request names; outputs binary), against
+    binary HTTP, at the largest number of front ends of --frontends."""
+    n = max(args.frontends)
+    rows: list[dict] = []
+    with shm_input(images(1, seed=2)) as (register, body, headers), tempfile.TemporaryDirectory() as tmp:
+        cfg = server_config([model_entry(args.model, args)], n, args, shm=True)
+        with ServerProcess(cfg, Path(tmp), name="shm", timeout_s=600) as server:
+            register(server)
+            for transport, (b, h) in (("binary", binary_request()), ("system shm", (body, headers))):
+                rows.append(summary(load(server, args.model, b, h, args.clients, args), raw, args,
+                                    frontends=n, transport=transport))
+                say(f"  (m) {rows[-1]}")
     finish(out, "scale_m_shm", f"(m) {args.model}: binary HTTP against system shared memory ({n} front ends)", rows)
     return rows
 
@@ -197,8 +205,9 @@ def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
     alone and then both at once; each keeps ``together / alone`` of its throughput, and the seed's ratio is the
     sum together over the sum alone. Layouts (``--retention-layouts``): ``shared``, one server, both models in its
     engine process; ``per_model``, one server with ``engine_processes: per_model`` (an engine process per model,
-    the front ends shared); ``separate``, a server per model (its own engine process and half the front ends),
-    both on the device. First the device alone (:func:`bench.gpubench.raw.part_pair`): the bound of both layouts."""
+    the front ends shared); ``per_model_mps``, the same under NVIDIA MPS (``server.cuda_mps``); ``separate``, a
+    server per model (its own engine process and half the front ends), both on the device. First the device alone
+    (:func:`bench.gpubench.raw.part_pair`): two contexts in one process."""
     from .raw import part_pair
 
     part_pair(args.model, args.precision, args.device, max(args.raw_seconds, 0.02) * 2, out)
@@ -210,7 +219,8 @@ def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             if layout != "separate":
                 cfg = server_config([model_entry(name, args) for name in names], n, args,
-                                    engine_processes="per_device" if layout == "shared" else "per_model")
+                                    engine_processes="per_device" if layout == "shared" else "per_model",
+                                    cuda_mps=layout == "per_model_mps")
                 one = stack.enter_context(ServerProcess(cfg, Path(tmp), name="retention", timeout_s=600))
                 servers = {m: one for m in names}
             else:
@@ -226,7 +236,7 @@ def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
         for m in names:
             a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
             part.append({"layout": layout, "model": m, "clients": args.retention_clients,
-                         "frontends": n if layout == "shared" else max(1, n // 2),
+                         "frontends": max(1, n // 2) if layout == "separate" else n,
                          "alone_qps": round(a, 1), "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
                          "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
                          "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2),

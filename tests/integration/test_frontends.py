@@ -343,3 +343,85 @@ async def test_engine_processes_per_model_isolate_models_and_answer_as_single_pr
     assert server.metric("batcher_process_restart_total", process="engine") == 1
     assert server.stop() == 0
     assert "Traceback" not in server.log()
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# stand-in for nvidia-cuda-mps-control (no GPU here): records what the supervisor asks and with which folders
+if [ "$1" = "-d" ]; then
+  [ -n "$FAIL" ] && { echo "$FAIL"; exit 1; }
+  echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$RECORD"
+else
+  echo "command $(cat) $CUDA_MPS_PIPE_DIRECTORY" >> "$RECORD"
+fi
+"""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+
+
+def test_cuda_mps_starts_a_private_daemon_for_the_engine_processes_and_quits_it_at_exit(start_server, tmp_path):
+    """``server.cuda_mps``: the supervisor starts the MPS control daemon (``-d``) with its pipe and log folders in
+    its runtime folder before any engine process, every engine process has them in its environment, and the
+    daemon gets ``quit`` after the engine processes are gone (the control program is a stand-in: no GPU here)."""
+    control, record = tmp_path / "mps-control", tmp_path / "record.txt"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    models = [m for m in _default_config()["models"] if m["name"] in ("tiny_cnn", "mid_cnn")]
+    server = start_server({"server": {"frontends": 1, "engine_processes": "per_model", "cuda_mps": True},
+                           "models": models}, env={"BATCHER_MPS_CONTROL": str(control), "RECORD": str(record)})
+    _wait_log(server, r"serving KServe v2")
+    [start] = record.read_text().splitlines()
+    _, pipe, logs = start.split()
+    runtime = re.search(r"runtime folder (\S+)", server.log())[1]
+    assert (pipe, logs) == (f"{runtime}/mps-pipe", f"{runtime}/mps-log")
+    pids = [int(p) for p in _wait_log(server, r"engine-cpu:\w+ ready \(pid (\d+)\)", count=2)]
+    for pid in pids:
+        env = _environ(pid)
+        assert (env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]) == (pipe, logs)
+    x = np.zeros((1, 3, 224, 224), np.float32)
+
+    async def infer() -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", **_binary(x)) as r:
+                return r.status
+
+    assert asyncio.run(infer()) == 200
+    assert server.stop() == 0
+    assert record.read_text().splitlines() == [start, f"command quit {pipe}"]
+    assert not os.path.exists(runtime)
+
+
+def test_cuda_mps_that_fails_to_start_stops_the_server_with_its_message(start_server, tmp_path):
+    control = tmp_path / "mps-control"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    with pytest.raises(RuntimeError) as exc:
+        start_server({"server": {"frontends": 1, "cuda_mps": True}, "models": [MID]}, timeout_s=60, env={
+            "BATCHER_MPS_CONTROL": str(control), "RECORD": str(tmp_path / "r"), "FAIL": "An instance is running"})
+    assert "exited with 2" in str(exc.value)
+    assert "mps-control -d' failed (exit code 1): An instance is running" in str(exc.value)
+    assert "Traceback" not in str(exc.value)
+
+
+def test_cuda_mps_uses_the_daemon_the_environment_names(start_server, tmp_path):
+    """With ``CUDA_MPS_PIPE_DIRECTORY`` already set (an MPS daemon run by the platform), none is started."""
+    control, record = tmp_path / "mps-control", tmp_path / "record.txt"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    server = start_server({"server": {"frontends": 1, "cuda_mps": True}, "models": [MID]}, env={
+        "BATCHER_MPS_CONTROL": str(control), "RECORD": str(record), "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    [pid] = [int(p) for p in _wait_log(server, r"engine-cpu ready \(pid (\d+)\)")]
+    assert _environ(pid)["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path)
+    assert server.stop() == 0
+    assert not record.exists()
+    assert "using the MPS daemon of CUDA_MPS_PIPE_DIRECTORY" in server.log()
+
+
+def test_engine_processes_and_cuda_mps_need_multi_process_mode(start_server):
+    for key, value in (("engine_processes", "per_model"), ("cuda_mps", True)):
+        with pytest.raises(RuntimeError) as exc:
+            start_server({"server": {"frontends": 0, key: value}, "models": [MID]}, timeout_s=60)
+        assert f"server.{key}: {str(value).lower()} applies to the engine processes of multi-process mode" \
+            in str(exc.value)
