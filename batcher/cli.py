@@ -194,7 +194,7 @@ def _serve(config, args) -> int:
     from aiohttp import web
 
     from .app import create_app
-    from .supervisor import new_event_loop, set_switch_interval
+    from .supervisor import freeze_on_startup, new_event_loop, set_switch_interval
 
     set_switch_interval(server.gil_switch_interval_us)
     try:
@@ -204,9 +204,11 @@ def _serve(config, args) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
+    app = create_app(config)
+    app.on_startup.append(freeze_on_startup)
     try:
         web.run_app(
-            create_app(config), loop=new_event_loop(server.event_loop),
+            app, loop=new_event_loop(server.event_loop),
             sock=sock,
             # with --port 0 this line is the only way to learn the port: shown at any log level but error
             print=lambda _msg: log.log(logging.WARNING if server.port == 0 else logging.INFO,

@@ -18,9 +18,9 @@ went away), ``dropped`` (multi-process mode: the front-end process holding it di
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from engines.base import ExecutionContext
@@ -87,6 +87,37 @@ def events_doc(repo: ModelRepository) -> dict[str, Any]:
     """The lifecycle events (:mod:`batcher.events`) and the memory counted against the budget."""
     return {"events": list(repo.lifecycle.events), "memory_used_bytes": repo.used_bytes,
             "memory_budget_bytes": repo.budget.budget_bytes if repo.budget else None}
+
+
+class CountedLater:
+    """What a ``deliver`` returns when its transport learns the answer's fate only later (an engine process: its
+    front end's acknowledgement): :meth:`DataPlane.infer` then counts nothing and returns it, and the transport
+    calls :meth:`settle` exactly once - ``None`` (delivered) or the failure's reason (``timeout``: too late,
+    ``canceled``, ``dropped``, ...). The answer is counted then, on the version that answered, from the request's
+    arrival, as it would have been after ``deliver`` returned. Saves the engine process a wake-up of the request's
+    task per request."""
+
+    __slots__ = ("_count", "_reason")
+
+    _UNSET = object()
+
+    def __init__(self) -> None:
+        self._count: Callable[[str | None], None] | None = None
+        self._reason: Any = self._UNSET
+
+    def bind(self, count: Callable[[str | None], None]) -> None:
+        """Called by the data plane once ``deliver`` returned this (a settle already made is applied now)."""
+        self._count = count
+        if self._reason is not self._UNSET:
+            self.settle(self._reason)
+
+    def settle(self, reason: str | None) -> None:
+        """The answer's outcome (None: delivered). Only the first call counts."""
+        count, self._count = self._count, None
+        if count is not None:
+            count(reason)
+        elif self._reason is self._UNSET:
+            self._reason = reason
 
 
 class Inflight:
@@ -195,7 +226,8 @@ class DataPlane:
             received: event-loop time the request arrived (its deadline and batch window count from here).
             read: gives the decoded request (the transport reads and decodes its body); may raise
                 InvalidInput/RequestTimeout/PayloadTooLarge.
-            deliver: turns the answer into the transport's (encodes it); what it returns is returned.
+            deliver: turns the answer into the transport's (encodes it); what it returns is returned. A
+                :class:`CountedLater` it returns is settled by the transport, which then counts the outcome.
 
         Raises:
             ModelNotFound (404, before anything is read); every BatcherError of the request's outcome.
@@ -211,19 +243,24 @@ class DataPlane:
             request = await read()
             target = owner = self.router.choose_version(target, request.routing_key) if version is None else target
             held = self.shm.hold(request) if uses_shm(request) else None
-            async with held or contextlib.nullcontext():  # regions the request names stay mapped until it is done
+            try:  # regions the request names stay mapped until it is done
                 inputs = await held.inputs() if held is not None else request.inputs
                 deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
                 owner = slot = await self.router.acquire(target, deadline)
                 try:
                     rows = slot.signature.check(slot.name, inputs)
-                    slot.signature.check_outputs(slot.name, [o.name for o in request.outputs or ()])
+                    if request.outputs:
+                        slot.signature.check_outputs(slot.name, [o.name for o in request.outputs])
                     outputs = await slot.runner.infer(inputs, rows=rows, received=received, deadline=deadline,
                                                       priority=request.priority, lease=request.lease)
                 finally:
                     self.router.release(slot)
-                await held.write(outputs) if held is not None else None
+                if held is not None and held.writes:
+                    await held.write(outputs)
                 answer = await deliver(InferResponse(slot.name, slot.version, outputs, request, deadline))
+            finally:
+                if held is not None:
+                    held.release()
             if not self._deliver_checks_deadline and deadline is not None and loop.time() > deadline:
                 raise late_answer(slot.name)  # ready too late: no answer after a deadline
         except BatcherError as exc:
@@ -237,7 +274,10 @@ class DataPlane:
             raise
         finally:
             self._inflight.leave()
-        self._count(owner, None, received)
+        if type(answer) is CountedLater:
+            answer.bind(partial(self._count, owner, received=received))
+        else:
+            self._count(owner, None, received)
         return answer
 
     def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:

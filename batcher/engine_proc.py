@@ -4,9 +4,11 @@ front-end processes over Unix sockets (:mod:`batcher.ipc`).
 
 Per front end (:class:`FrontendConnection`): each REQ message runs :meth:`DataPlane.infer` as a task, with
 ``read`` = the request of the message (inputs as views of the shared area, no copy) and ``deliver`` = send the
-outputs to the front end (RESULT) and wait for its ACK - ok, too late, or failed - so the outcome is counted
-once, here, after delivery, as in single-process mode. ABORT (the client went away) cancels the task (counted
-``canceled``); a front end that dies cancels every task it had (counted ``dropped``).
+outputs to the front end (RESULT); the task ends there, and the front end's ACK - ok, too late, or failed -
+settles the outcome (:class:`batcher.dataplane.CountedLater`), so it is counted once, here, after delivery, as in
+single-process mode. ABORT (the client went away) cancels the task, or settles an answer sent but not yet
+acknowledged (counted ``canceled``); a front end that dies cancels every task it had and settles its answers
+not yet acknowledged (counted ``dropped``).
 
 A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
 RELEASE message later) only when nothing reads it any more (:class:`batcher.protocol.Lease`): a request answered
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .config import Config
-from .dataplane import FRONTEND_LOST, DataPlane
+from .dataplane import FRONTEND_LOST, CountedLater, DataPlane
 from .errors import BatcherError, RemoteError
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
@@ -59,7 +61,7 @@ class FrontendConnection:
         self.registration = server.register(self.area)
         self.outputs = Allocator(half, server.buffer_bytes - half)
         self.tasks: dict[int, asyncio.Task] = {}
-        self.acks: dict[int, asyncio.Future] = {}
+        self.acks: dict[int, CountedLater] = {}  # answers sent (RESULT), not yet acknowledged
         self.out_blocks: dict[int, list[int]] = {}
         self.channel = Channel(self._on_message, self._on_lost)
         self.closed = asyncio.Event()
@@ -69,15 +71,18 @@ class FrontendConnection:
         kind = msg[0]
         if kind == REQ:
             self.tasks[msg[1]] = asyncio.get_running_loop().create_task(self._infer(*msg[1:]))
-        elif kind == ACK:
+        elif kind == ACK:  # (ACK, rid, None or the error_tuple the front end answered instead, e.g. 504)
             self._free_outputs(msg[1])
-            fut = self.acks.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg[2])
+            later = self.acks.pop(msg[1], None)
+            if later is not None:
+                later.settle(None if msg[2] is None else msg[2][1])
         elif kind == ABORT:
             task = self.tasks.get(msg[1])
             if task is not None:
                 task.cancel()
+            later = self.acks.pop(msg[1], None)
+            if later is not None:
+                later.settle("canceled")
             self._free_outputs(msg[1])
         elif kind == CALL:
             asyncio.get_running_loop().create_task(self._call(*msg[1:]))
@@ -90,6 +95,9 @@ class FrontendConnection:
             log.warning("%s is gone: dropping its %d request(s) in progress", self.who, len(self.tasks))
         for task in list(self.tasks.values()):
             task.cancel(FRONTEND_LOST)
+        acks, self.acks = self.acks, {}
+        for later in acks.values():
+            later.settle("dropped")
         asyncio.get_running_loop().create_task(self._close_when_idle())
 
     async def _close_when_idle(self) -> None:
@@ -140,19 +148,17 @@ class FrontendConnection:
                 counts[slot] -= 1
                 slot = -1
 
-        async def deliver(response: InferResponse) -> None:
+        async def deliver(response: InferResponse) -> CountedLater:
             nonlocal concluded
             uncount()
             release_handler()
             entries, blocks = pack_tensors(response.outputs, self.area, self.outputs)
             if blocks:
                 self.out_blocks[rid] = blocks
-            ack = self.acks[rid] = asyncio.get_running_loop().create_future()
+            later = self.acks[rid] = CountedLater()  # the ACK (or ABORT, or the front end's loss) settles it
             send((RESULT, rid, response.model_name, response.model_version, entries, response.deadline, lease.free))
             concluded = True
-            error = await ack
-            if error is not None:  # the front end answered the client with this error (e.g. 504: too late)
-                raise RemoteError(*error)
+            return later
 
         outcome: Any = None
         try:
@@ -167,7 +173,6 @@ class FrontendConnection:
         finally:
             uncount()
             self.tasks.pop(rid, None)
-            self.acks.pop(rid, None)
             release_handler()
             if not concluded:
                 concluded = True
@@ -312,6 +317,7 @@ async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devi
     code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
     ``("error", message)``."""
     from .errors import ConfigError
+    from .supervisor import freeze_heap
 
     cfg = engine_config(config, engine)
     metrics = Metrics()
@@ -326,6 +332,7 @@ async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devi
     server = EngineServer(dataplane, engine.device, path, config.server.frontend_buffer_mb << 20,
                           engine_slots(config, engine), devices)
     await server.start()
+    freeze_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -324,10 +324,11 @@ def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: st
     from aiohttp import web
 
     from .app import create_app
-    from .supervisor import child_setup, new_event_loop
+    from .supervisor import child_setup, freeze_on_startup, new_event_loop
 
     child_setup(f"frontend {index}", log_level)
     app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
+    app.on_startup.append(freeze_on_startup)
     web.run_app(
         app, host=host, port=port, reuse_port=True, loop=new_event_loop(config.server.event_loop),
         access_log=logging.getLogger("aiohttp.access") if access_log else None,

@@ -224,6 +224,15 @@ class Hold:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    @property
+    def writes(self) -> bool:
+        """Whether the request placed an output in shared memory (:meth:`write` has work)."""
+        return any(o.shm is not None for o in self._request.outputs or ())
+
+    def release(self) -> None:
+        """Give the regions back (once; after a CUDA copy still running for the request, when it ends)."""
         regions = list(self._regions.values())
         self._regions = {}
         if not regions:
@@ -250,9 +259,12 @@ class Hold:
         for name, t in inputs.items():
             if isinstance(t, ShmInput):
                 region = self._regions[t.ref.region]
-                read_bytes = t.ref.byte_size if region.blocking else 0  # a system read is a view
-                out[name] = await self._run(region, read_bytes, region.read, t.ref, t.datatype, t.shape,
-                                            f"input '{name}'")
+                if region.blocking:
+                    out[name] = await self._run(region, t.ref.byte_size, region.read, t.ref, t.datatype, t.shape,
+                                                f"input '{name}'")
+                else:  # a system read is a view: here, its size check shared by this loop iteration's reads
+                    out[name] = region.read(t.ref, t.datatype, t.shape, f"input '{name}'",
+                                            asyncio.get_running_loop())
         return out
 
     async def write(self, outputs: dict[str, np.ndarray]) -> None:

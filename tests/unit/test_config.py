@@ -232,3 +232,17 @@ def test_the_gil_switch_interval_is_200_us_by_default_and_applied_in_microsecond
         assert sys.getswitchinterval() == pytest.approx(200e-6)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_serving_process_freezes_its_start_up_heap_and_collects_its_youngest_objects_less_often():
+    """batcher.supervisor.freeze_heap (engine processes, front ends and the single process, once started): the
+    objects alive then go to the permanent generation and the first threshold is GC_THRESHOLD0; run in a child
+    process, not in this one."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from batcher.supervisor import freeze_heap, GC_THRESHOLD0; t = gc.get_threshold(); "
+            "assert gc.get_freeze_count() == 0; freeze_heap(); "
+            "print(gc.get_freeze_count() > 1000, gc.get_threshold() == (GC_THRESHOLD0, *t[1:]), GC_THRESHOLD0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "10000"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from batcher.errors import InvalidInput, RemoteError
+from batcher.protocol import ShmInput, ShmRef
 from batcher.ipc import (INLINE_BYTES, Allocator, Area, Channel, error_tuple, pack_tensors, recv_hello, send_hello,
                          unpack_tensors)
 
@@ -89,7 +90,11 @@ def test_tensors_of_64_kib_and_more_go_through_the_area_smaller_ones_inline():
     assert np.array_equal(out["big"], big) and np.shares_memory(out["big"], np.frombuffer(area.buf, np.uint8))
     assert np.array_equal(out["small"], small) and out["small"].dtype == np.float32 and out["small"].shape == (3, 4)
     assert out["words"].tolist() == [b"a", b"bc"]
-    assert out["ref"] == ("shm", 0, 8)  # anything else (a shared-memory reference) passes through
+    assert out["ref"] == ("shm", 0, 8)  # anything else passes through
+    shm_input = ShmInput("FP32", (1, 4), ShmRef("r", 64, 16))  # a shared-memory input: its fields, as a tuple
+    [entry], _ = pack_tensors({"s": shm_input}, area, alloc)
+    assert entry == ("s", "FP32", (1, 4), "r", 64, 16)
+    assert unpack_tensors(pickle.loads(pickle.dumps([entry], protocol=5)), area) == {"s": shm_input}
     column = np.arange(12, dtype=">i2").reshape(3, 4)[:, 1]  # strided, big-endian: its values and dtype survive
     back = unpack_tensors(pack_tensors({"c": column}, area, alloc)[0], area)["c"]
     assert back.dtype == column.dtype and back.tolist() == [1, 5, 9]

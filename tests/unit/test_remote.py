@@ -206,6 +206,43 @@ async def test_a_lost_front_end_has_its_requests_dropped_and_counted():
         assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
 
 
+async def test_an_answer_sent_but_not_acknowledged_is_settled_by_abort_or_by_the_front_ends_loss():
+    """The engine's task for a request ends when its answer is sent; the ACK settles the outcome. Before an ACK:
+    the client going away (ABORT) counts it ``canceled``, the front end dying counts it ``dropped``, each once
+    and never as a success; an ACK carrying the front end's error counts that reason."""
+    async with served([{"name": "m", "max_batch_size": 64}]) as (remote, engines):
+        engine = engines[None]
+        delivering, hold = asyncio.Event(), asyncio.Event()
+
+        async def stuck(response: InferResponse):  # the front end has the answer, its client has not
+            delivering.set()
+            await hold.wait()
+
+        quitter = asyncio.create_task(remote.infer("m", None, now(), read(request(1)), stuck))
+        await delivering.wait()
+        assert not engine.server.connections.copy().pop().tasks  # the engine's task is done, the ACK is due
+        quitter.cancel()  # the client goes away while its answer is being written: ABORT
+        with pytest.raises(asyncio.CancelledError):
+            await quitter
+        assert await eventually(lambda: engine.count(reason="canceled") == 1)
+
+        async def late(response: InferResponse):
+            raise BatcherError("too late")  # what the front end answered instead (error_tuple: reason "other")
+
+        with pytest.raises(BatcherError):
+            await remote.infer("m", None, now(), read(request(1)), late)
+        assert await eventually(lambda: engine.count(reason="other") == 1)
+
+        delivering.clear()
+        lost = asyncio.create_task(remote.infer("m", None, now(), read(request(1)), stuck))
+        await delivering.wait()
+        remote.links[0]._channel._transport.abort()  # the front end dies before acknowledging
+        assert await eventually(lambda: engine.count(reason="dropped") == 1)
+        lost.cancel()
+        await asyncio.gather(lost, return_exceptions=True)
+        assert (engine.count(), engine.count(reason="canceled"), engine.count(reason="other")) == (0, 1, 1)
+
+
 async def test_a_stopped_engine_makes_its_models_503_until_it_is_back():
     async with served([{"name": "m"}]) as (remote, engines):
         engine = engines[None]
