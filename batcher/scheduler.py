@@ -123,6 +123,7 @@ class ModelRunner:
         # the queue), None once it is not: plan_batch then needs no sort
         self._tail: tuple | None = ()
         self._depth = self._queued_rows = self._executing_rows = 0
+        self._depth_due = False  # a write of the queue-depth gauge is scheduled (_set_depth)
         self.times = BatchTimes(allowed=self._allowed)  # seconds per batch size: admission, windows, late drops
         self._gaps, self._wakeup = ArrivalGaps(), asyncio.Event()  # gaps: adaptive_queue_delay's moving average
         self._window_end: float | None = None  # while the batcher waits out a window: when it ends
@@ -209,8 +210,16 @@ class ModelRunner:
                 f"ms, beyond its deadline in {(deadline - now) * 1e3:.1f} ms", retry_after_s=max(1, math.ceil(drain)))
 
     def _set_depth(self, n: int) -> None:
+        """The queue's depth, and its gauge once per pass of the event loop (one write for the arrivals of the
+        same socket reads instead of one each: in multi-process mode every write goes to a shared file)."""
         self._depth = n
-        self.metrics.queue_depth.set(n)
+        if not self._depth_due:
+            self._depth_due = True
+            self._loop.call_soon(self._publish_depth)
+
+    def _publish_depth(self) -> None:
+        self._depth_due = False
+        self.metrics.queue_depth.set(self._depth)
 
     def _settle_queued(self, p: Pending) -> None:
         """Take a QUEUED request out of the queue's count (it stays in the list until the next purge)."""

@@ -332,6 +332,26 @@ async def test_queue_metrics_and_statistics_follow_the_batches():
     await r.close()
 
 
+@pytest.mark.looptime
+async def test_the_queue_depth_gauge_is_written_once_per_pass_of_the_event_loop():
+    """Three arrivals in one pass: one write of batcher_queue_depth (3), after the pass, not three; the batch's
+    dispatch writes it once more (0)."""
+    r, _, _, metrics = runner(seconds_per_row=0.010, max_queue_delay_microseconds=5000)
+    writes = []
+    gauge = r.metrics.queue_depth
+    set_value = gauge.set
+    gauge.set = lambda v: (writes.append(v), set_value(v))  # type: ignore[method-assign]
+    tasks = [submit(r) for _ in range(3)]
+    await asyncio.sleep(0)  # the tasks queue their requests in this pass
+    assert r.queue_depth == 3 and writes == []
+    await asyncio.sleep(0.001)
+    assert writes == [3]
+    assert metrics.registry.get_sample_value("batcher_queue_depth", {"model": "m", "version": "1"}) == 3
+    await asyncio.gather(*tasks)
+    assert writes == [3, 0]
+    await r.close()
+
+
 async def test_an_answered_request_keeps_nothing_of_its_inputs_alive():
     """The batcher loop waits for the next idle executor holding no reference to the last batch: a request's
     inputs (a shared-memory view, a request body) are freed once it is answered, not at the next batch."""
