@@ -201,10 +201,11 @@ INLINE_AFTER, INLINE_EWMA_ALPHA = 16, 0.1
 class ThreadExecutor:
     """One execution context and the single thread that uses it (engine contexts are not thread-safe).
 
-    A context with two staging buffers (``staging_slots == 2``: a GPU context, whose execution runs on the device
-    while the host waits) gets a second thread that stages the next batch (:meth:`stage`: deadline checks,
-    stacking into the other pinned buffer) while the context's thread runs the current one, so the device is not
-    idle while a batch is copied together: :attr:`depth` 2, a two-stage pipeline.
+    A context with several staging buffers (``staging_slots`` >= 2: a GPU context, whose execution runs on the
+    device while the host waits) gets a second thread that stages the next batch (:meth:`stage`: deadline checks,
+    stacking into another pinned buffer) while the context's thread runs the current one, so the device is not
+    idle while a batch is copied together: a two-stage pipeline taking :attr:`depth` (= ``staging_slots``)
+    batches at once (the scheduler gives slots from the third on to full batches only).
 
     Args:
         inline_s: a context whose batches take at most this much CPU time on average (seconds, stack + execute +
@@ -220,7 +221,7 @@ class ThreadExecutor:
         # A context bound to its own thread (a CUDA-graph context) runs its batches there: no hop per batch.
         self._own = context.executor is None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if self._own else context.executor
-        self.depth = 2 if getattr(context, "staging_slots", 1) >= 2 else 1
+        self.depth = max(1, getattr(context, "staging_slots", 1))
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-stage") if self.depth > 1 else None
         self._inline_s = inline_s if self._own and self.depth == 1 else 0.0
         self._measured_n = 0

@@ -88,6 +88,11 @@ def _batch_result(model: str, fut: asyncio.Future, requests: int) -> BatchResult
     return fut.result()
 
 
+#: the first staging slot whose token takes full batches only (:meth:`ModelRunner._batcher`): a pipelined
+#: executor stages a batch while one runs (slots 0 and 1) and, with a third slot, one more when it is full.
+LOOKAHEAD_SLOT = 2
+
+
 class ModelRunner:
     """One model version being served: its queue, batcher task and executors (one per execution context).
 
@@ -103,8 +108,10 @@ class ModelRunner:
         self.metrics = metrics
         self.stats = stats if stats is not None else Stats()
         self._executors = list(executors)
-        # one token per batch an executor takes at once: (executor, staging slot); a pipelined executor has two
+        # one token per batch an executor takes at once: (executor, staging slot); a pipelined executor has one
+        # per staging slot, and those from LOOKAHEAD_SLOT on take full batches only (:meth:`_batcher`)
         self._idle: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        self._parked: list[tuple[int, int]] = []  # lookahead tokens waiting for a full batch to be queued
         for i, ex in enumerate(self._executors):
             for slot in range(getattr(ex, "depth", 1)):
                 self._idle.put_nowait((i, slot))
@@ -187,6 +194,8 @@ class ModelRunner:
         self._queue.append(p)
         self._queued_rows += rows
         self._set_depth(self._depth + 1)
+        if self._parked and self._full_queued():
+            self._idle.put_nowait(self._parked.pop())
         if arrival_may_end_window(now, self._window_end, deadline, self._queued_rows, self._max_batch, self._preferred,
                                   self._levels):
             self._wakeup.set()
@@ -244,9 +253,24 @@ class ModelRunner:
                 DeadlineExceeded(f"model '{self.name}': deadline expired after {waited_ms:.1f} ms {where}"))
 
     # ------------------------------------------------------------------ batcher
+    def _full_queued(self) -> bool:
+        """Whether the queue holds a full batch's rows (:func:`batch_is_full`)."""
+        return batch_is_full(self._queued_rows, self._max_batch, self._preferred)
+
     async def _batcher(self) -> None:
+        """Waits for an executor's token, then for a batch (:meth:`_next_batch`), and dispatches it; forever.
+
+        A lookahead token (staging slot :data:`LOOKAHEAD_SLOT` and up) is used only while a full batch is queued,
+        else parked until one is (:meth:`infer` hands it back): at saturation the context then always has its next
+        full batch staged, although the event loop that forms batches reaches each step a pass late, while below
+        saturation no more partial batches wait behind the device than with two tokens. Measured on the H200 (8
+        front ends, resnet18, one run each): a third token for every batch lifted binary HTTP from 0.84 to 0.87 of
+        the raw engine and system shared memory from 0.83 to 0.90."""
         while True:
             token = await self._idle.get()
+            if token[1] >= LOOKAHEAD_SLOT and not self._full_queued():
+                self._parked.append(token)
+                continue
             try:
                 batch = await self._next_batch()
             except asyncio.CancelledError:

@@ -86,7 +86,8 @@ class CudaGraphContext(CudaContext):
                               + ", ".join(f"{s.name} {list(s.shape)}" for s in plan.inputs + plan.outputs))
         super().__init__(plan, tuple(batch_sizes))
         self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
-        self._spare: dict[str, PinnedBuffer] = {}  # staging slot 1 (host_buffer(..., slot=1)), one per input
+        # staging slots 1 and 2 (host_buffer(..., slot=k)), one pinned buffer per input each
+        self._spare: list[dict[str, PinnedBuffer]] = [{} for _ in range(self.staging_slots - 1)]
         self._session: Any = None
         self._bindings: dict[int, Any] = {}
         self._run_options: dict[int, Any] = {}
@@ -103,8 +104,9 @@ class CudaGraphContext(CudaContext):
             for name, shape in (plan.static_shapes(self._sizes[-1]) or {}).items():
                 nbytes = int(np.prod(shape)) * self._dtypes[name].itemsize
                 self._buffers.ensure(name, nbytes)
-                if name not in self._output_names:  # staging slot 1: the next batch is stacked here meanwhile
-                    self._spare[name] = PinnedBuffer(nbytes)
+                if name not in self._output_names:  # staging slots 1, 2: the next batches are stacked there
+                    for spare in self._spare:
+                        spare[name] = PinnedBuffer(nbytes)
             self._session = plan.session(self._stream, graphs=True)
             for size in self._sizes:
                 self._bindings[size] = self._bind(size)
@@ -197,14 +199,15 @@ class CudaGraphContext(CudaContext):
     def executor(self) -> Executor | None:
         return self._thread.pool if self._thread is not None else None
 
-    #: two pinned staging buffers per input: a batch can be stacked into one while the other is sent
-    staging_slots = 2
+    #: three pinned staging buffers per input: while one batch is sent, the next is stacked, and a full one after
+    #: it may be (the scheduler's lookahead, :data:`batcher.scheduler.LOOKAHEAD_SLOT`)
+    staging_slots = 3
 
     def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
-        """A view of input ``name``'s pinned staging buffer ``slot`` (0 or 1; fixed, sized for the largest allowed
-        batch), or ``None`` when ``name`` is no input, the dtype differs or the shape does not fit. Both are
-        page-locked, so :meth:`execute` sends either straight to the device."""
-        pinned = (self._buffers.pinned if slot == 0 else self._spare).get(name)
+        """A view of input ``name``'s pinned staging buffer ``slot`` (0, 1 or 2; fixed, sized for the largest
+        allowed batch), or ``None`` when ``name`` is no input, the dtype differs or the shape does not fit. All are
+        page-locked, so :meth:`execute` sends any straight to the device."""
+        pinned = (self._buffers.pinned if slot == 0 else self._spare[slot - 1]).get(name)
         if pinned is None or name in self._output_names or np.dtype(dtype) != self._dtypes[name]:
             return None
         if int(np.prod(shape)) * np.dtype(dtype).itemsize > pinned.nbytes:
@@ -244,9 +247,10 @@ class CudaGraphContext(CudaContext):
             self._run_options.clear()
             self._session = None
             self._buffers.free()
-            for buf in self._spare.values():
-                buf.free()
-            self._spare.clear()
+            for spare in self._spare:
+                for buf in spare.values():
+                    buf.free()
+                spare.clear()
             if self._stream is not None:
                 self._stream.destroy()
                 self._stream = None

@@ -134,17 +134,18 @@ class SleepExecutor:
 
 
 class PipelineExecutor(SleepExecutor):
-    """A two-stage executor (``depth`` 2) on the event loop: staging (deadline checks, stacking) takes ``stage_s``
-    on one staging "thread", running takes ``seconds_per_row`` x rows on one "device"; a batch can be staged while
-    another runs, as :class:`batcher.executor.ThreadExecutor` does for a GPU context."""
-
-    depth = 2
+    """A two-stage executor (``depth`` 2, or 3 with a lookahead slot) on the event loop: staging (deadline checks,
+    stacking) takes ``stage_s`` on one staging "thread", running takes ``seconds_per_row`` x rows on one
+    "device"; a batch can be staged while another runs, as :class:`batcher.executor.ThreadExecutor` does for a
+    GPU context."""
 
     def __init__(self, context: ExecutionContext, name: str = "fake", seconds_per_row: float = 0.001,
-                 stage_s: float = 0.001) -> None:
+                 stage_s: float = 0.001, depth: int = 2) -> None:
         super().__init__(context, name, seconds_per_row)
+        self.depth = depth
         self.stage_s = stage_s
-        self.slots: list[int] = []
+        self.slots: list[int] = []  # the staging slot of each batch, in staging order
+        self.staged_rows: list[int] = []  # and its rows
         self._stager: asyncio.Lock | None = None
         self._device: asyncio.Lock | None = None
 
@@ -153,6 +154,7 @@ class PipelineExecutor(SleepExecutor):
         async with self._stager:
             staged = fn(self.context, *args)
             self.slots.append(staged.slot)
+            self.staged_rows.append(staged.rows)
             await asyncio.sleep(self.stage_s)
             return staged
 

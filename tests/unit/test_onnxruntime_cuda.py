@@ -166,20 +166,20 @@ def test_staging_buffer_is_read_in_place(device, tmp_path):
     ctx.release()
 
 
-def test_two_staging_buffers_each_read_in_place(device, tmp_path):
-    """A graph context offers two pinned staging buffers (the executor stacks the next batch into one while the
-    batch in the other runs); each is sent straight to the device, and one does not disturb the other."""
+def test_three_staging_buffers_each_read_in_place(device, tmp_path):
+    """A graph context offers three pinned staging buffers (the executor stacks the next batches into two while
+    the batch in the third runs); each is sent straight to the device, and none disturbs another."""
     ctx = _engine(tmp_path).create_context()
-    assert ctx.staging_slots == 2
-    first, second = ctx.host_buffer("x", (4, 4), np.float32), ctx.host_buffer("x", (4, 4), np.float32, slot=1)
-    assert first.ctypes.data != second.ctypes.data and second.ctypes.data in device.gpu.host
-    first[:], second[:] = 1.0, 2.0
+    assert ctx.staging_slots == 3
+    bufs = [ctx.host_buffer("x", (4, 4), np.float32, slot=k) for k in range(3)]
+    assert len({b.ctypes.data for b in bufs}) == 3 and all(b.ctypes.data in device.gpu.host for b in bufs)
+    for k, b in enumerate(bufs):
+        b[:] = float(k + 1)
     srcs = _copies(device)  # (source, bytes, kind) of every cudaMemcpyAsync from here on
-    y2 = ctx.execute({"x": second})["y"]
-    y1 = ctx.execute({"x": first})["y"]
-    np.testing.assert_allclose(y2, _want(np.full((4, 4), 2.0, np.float32)), rtol=1e-6)
-    np.testing.assert_allclose(y1, _want(np.full((4, 4), 1.0, np.float32)), rtol=1e-6)
-    assert [src for src, _, kind in srcs if kind == 1] == [second.ctypes.data, first.ctypes.data]
+    ys = [ctx.execute({"x": bufs[k]})["y"] for k in (2, 0, 1)]
+    for k, y in zip((2, 0, 1), ys):
+        np.testing.assert_allclose(y, _want(np.full((4, 4), float(k + 1), np.float32)), rtol=1e-6)
+    assert [src for src, _, kind in srcs if kind == 1] == [bufs[k].ctypes.data for k in (2, 0, 1)]
     ctx.release()
 
 
@@ -338,8 +338,8 @@ def test_device_memory_is_measured_and_everything_is_freed(device, tmp_path):
     ctx = eng.create_context()
     # the fake's device memory is the context's buffers (the CPU session uses none): x and y at the largest size
     assert ctx.device_nbytes == ctx.nbytes == 8 * 4 * 4 + 8 * 3 * 4
-    # pinned: x and y, and x's second staging buffer (slot 1)
-    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 3, "streams": before["streams"] + 1}
+    # pinned: x and y, and x's second and third staging buffers (slots 1 and 2)
+    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 4, "streams": before["streams"] + 1}
     ctx.release()
     ctx.release()  # idempotent
     assert device.gpu.counts() == before

@@ -385,6 +385,30 @@ async def test_a_two_stage_executor_stages_the_next_batch_while_one_runs():
     await r.close()
 
 
+async def test_a_third_staging_slot_takes_full_batches_only():
+    """Lookahead (LOOKAHEAD_SLOT): with 64 requests queued at once every batch is full, and the third slot's token
+    stages a batch while two are ahead of it; with requests trickling in (one each 3 ms, a 2 ms window) the
+    batches are partial and the third token stays parked: never more than two partial batches at the device."""
+    cfg = model_config(max_batch_size=8, dynamic_batching={"max_queue_delay_microseconds": 2000})
+    ctx = FakeContext()
+    ex = PipelineExecutor(ctx, seconds_per_row=0.001, stage_s=0.004, depth=3)
+    r = ModelRunner(cfg, signature(8), [ex], Metrics().for_model("m", "1"))
+    outs = await asyncio.gather(*(submit(r, value=float(i)) for i in range(64)))
+    assert ctx.batches == [8] * 8 and 2 in ex.slots
+    assert all(rows == 8 for slot, rows in zip(ex.slots, ex.staged_rows) if slot == 2)
+    assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(64)]
+    ex.slots.clear()
+
+    async def trickle(i: int):
+        await asyncio.sleep(0.003 * i)
+        return await submit(r, value=float(i))
+
+    outs = await asyncio.gather(*(trickle(i) for i in range(24)))
+    assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(24)]
+    assert ex.slots and 2 not in ex.slots and max(ctx.batches[8:]) < 8
+    await r.close()
+
+
 async def test_a_later_request_with_an_earlier_deadline_still_goes_first():
     """The queue skips sorting while arrivals keep it in urgency order; a request that breaks the order (its
     deadline before those queued ahead) is still served first."""
