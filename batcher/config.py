@@ -104,7 +104,8 @@ class ServerConfig(_Strict):
     engine_processes: Literal["per_device", "per_model"] = "per_device"
     #: run the engine processes under NVIDIA MPS (a private control daemon the supervisor starts and stops, or the
     #: one CUDA_MPS_PIPE_DIRECTORY names), so engine processes sharing a GPU run side by side instead of taking
-    #: turns (batcher.mps; with per_model: retention 0.97 against 0.73 on an H200). Multi-process mode only.
+    #: turns (batcher.mps; with per_model, retention on an H200: 0.77-0.97 against 0.73-0.82 without MPS).
+    #: Multi-process mode only.
     cuda_mps: bool = False
     #: MiB of shared memory per front end and engine process, for tensors of 64 KiB and more (batcher.ipc)
     frontend_buffer_mb: int = Field(64, ge=1, le=65536)

@@ -2,9 +2,10 @@
 
 Without MPS, CUDA contexts of different processes on one GPU take turns on it (time slices), so two engine
 processes sharing a GPU (``server.engine_processes: per_model``) each get about half of it even when neither
-fills it. Under MPS their kernels run side by side, as the streams of one process do. On an H200 two resnet18
-served together, 16 clients each, kept 0.73 of their throughput alone in an engine process each, and 0.97
-under MPS (``python -m bench.gpu_scale --parts r,t``; README "Many front ends, shared memory, two GPUs").
+fills it. Under MPS their kernels run side by side, as the streams of one process do. On an H200, two resnet18
+served together, 16 clients each, kept 0.73-0.82 of their throughput alone in an engine process each, 0.77-0.97
+under MPS, 0.51-0.62 in one engine process (``python -m bench.gpu_scale --parts r,t``, layouts ``per_model``,
+``per_model_mps``, ``shared``; README "Many front ends, shared memory, two GPUs").
 
 The supervisor starts a private control daemon (``nvidia-cuda-mps-control -d``) whose pipe and log folders lie in
 its runtime folder, so only this server's processes use it, and sets ``CUDA_MPS_PIPE_DIRECTORY`` and

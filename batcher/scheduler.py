@@ -264,8 +264,9 @@ class ModelRunner:
         else parked until one is (:meth:`infer` hands it back): at saturation the context then always has its next
         full batch staged, although the event loop that forms batches reaches each step a pass late, while below
         saturation no more partial batches wait behind the device than with two tokens. Measured on the H200 (8
-        front ends, resnet18, one run each): a third token for every batch lifted binary HTTP from 0.84 to 0.87 of
-        the raw engine and system shared memory from 0.83 to 0.90."""
+        front ends, resnet18, one run each, README "Many front ends, shared memory, two GPUs"): a third token for
+        every batch lifted binary HTTP from 0.84 to 0.87 of the raw engine and system shared memory from 0.83 to
+        0.90; with the full-batch rule, 0.82-0.93 and 0.93-0.97 in two runs."""
         while True:
             token = await self._idle.get()
             if token[1] >= LOOKAHEAD_SLOT and not self._full_queued():

@@ -12,8 +12,9 @@ front end compute the same answers).
   per GPU, each in its own engine process.
 * ``server.engine_processes: per_model``: one engine process per model name on each of its devices instead (an
   :class:`Engine` names a device and, here, a model), as Ray Serve runs a replica per deployment. Models then do
-  not share a GIL, an event loop or a crash (retention measured by ``bench.gpu_scale`` part t, layouts
-  ``shared`` and ``per_model``); each process costs its own CUDA context and its own shared areas with every
+  not share a GIL, an event loop or a crash: two resnet18 served together on an H200 kept 0.73-0.82 of their
+  throughput alone, 0.77-0.97 under MPS (``server.cuda_mps``), against 0.51-0.62 in one engine process
+  (``bench.gpu_scale`` part t); each process costs its own CUDA context and its own shared areas with every
   front end.
 """
 
