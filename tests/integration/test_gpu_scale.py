@@ -10,11 +10,16 @@ from bench.gpu_scale import main
 from bench.sweep.report import read_csv
 
 
+def dry_run(out, parts: str, *extra: str, duration: str = "0.5", raw_seconds: str = "0.02") -> int:
+    """``bench.gpu_scale`` on the CPU with tiny settings: tiny_cnn, one front end, 4 clients in one process."""
+    return main(["--device", "cpu", "--out", str(out), "--parts", parts, "--model", "tiny_cnn", "--frontends", "1",
+                 "--clients", "4", "--client-processes", "1", "--duration", duration, "--warmup", "0.2",
+                 "--raw-seconds", raw_seconds, "--delay-us", "500", "--buffer-mb", "16", *extra])
+
+
 def test_the_shared_memory_part_runs_on_the_cpu_and_writes_its_table(tmp_path):
     out = tmp_path / "scale"
-    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,m", "--model", "tiny_cnn", "--frontends", "1",
-                 "--clients", "4", "--client-processes", "1", "--duration", "0.5", "--warmup", "0.2",
-                 "--raw-seconds", "0.02", "--delay-us", "500", "--buffer-mb", "16"]) == 0
+    assert dry_run(out, "r,m") == 0
     rows = read_csv(out / "scale_m_shm.csv")
     assert [(r["frontends"], r["transport"]) for r in rows] == [("1", "binary"), ("1", "system shm")]
     assert all(float(r["qps"]) > 0 and r["errors"] == "0" and float(r["over_raw"]) > 0 for r in rows)
@@ -25,10 +30,8 @@ def test_the_profile_part_names_every_process_and_its_threads(tmp_path):
     """Part p on the CPU: the per-thread table names the engine process and the front end by role (from the
     supervisor's log), and the engine's event loop did work; py-spy is not needed (none in CI: no functions table)."""
     out = tmp_path / "scale"
-    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,p", "--model", "tiny_cnn", "--frontends", "1",
-                 "--clients", "4", "--client-processes", "1", "--duration", "2", "--warmup", "0.2",
-                 "--raw-seconds", "0.02", "--delay-us", "500", "--buffer-mb", "16", "--profile-seconds", "0.5",
-                 "--py-spy", "/nonexistent/py-spy-is-not-run"]) == 0
+    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", "/nonexistent/py-spy-is-not-run",
+                   duration="2") == 0
     rows = read_csv(out / "scale_p_threads.csv")
     main_threads = {r["role"] for r in rows if r["thread"] == "main"}
     assert {"engine-cpu", "frontend-0"} <= main_threads
@@ -39,10 +42,7 @@ def test_the_switch_interval_part_sweeps_and_hands_the_best_value_to_later_parts
     """Part s on the CPU: one step per --switch-sweep-us value, each with the engine's own account of its batches
     from /metrics; with --gil-switch-us best the later parts use the fastest value. Part d needs a GPU: skipped."""
     out = tmp_path / "scale"
-    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,d,s,m", "--model", "tiny_cnn", "--frontends", "1",
-                 "--clients", "4", "--client-processes", "1", "--duration", "0.5", "--warmup", "0.2",
-                 "--raw-seconds", "0.02", "--delay-us", "500", "--buffer-mb", "16",
-                 "--switch-sweep-us", "5000,200", "--gil-switch-us", "best"]) == 0
+    assert dry_run(out, "r,d,s,m", "--switch-sweep-us", "5000,200", "--gil-switch-us", "best") == 0
     rows = read_csv(out / "scale_s_switch.csv")
     assert [r["gil_switch_interval_us"] for r in rows] == ["5000", "200"]
     assert all(r["errors"] == "0" and float(r["execute_ms_per_batch"]) > 0 for r in rows)
@@ -56,10 +56,8 @@ def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
     """Part t on the CPU: the device alone (two contexts, no HTTP) at each size, then per layout each model alone
     and together with its kept share and the seed's ratio; ``per_model`` runs an engine process per model."""
     out = tmp_path / "scale"
-    assert main(["--device", "cpu", "--out", str(out), "--parts", "r,t", "--model", "tiny_cnn", "--frontends", "1",
-                 "--clients", "4", "--client-processes", "1", "--duration", "0.4", "--warmup", "0.1",
-                 "--raw-seconds", "0.01", "--delay-us", "500", "--buffer-mb", "16", "--retention-clients", "2",
-                 "--retention-layouts", "per_model"]) == 0
+    assert dry_run(out, "r,t", "--retention-clients", "2", "--retention-layouts", "per_model", duration="0.4",
+                   raw_seconds="0.01") == 0
     pair = read_csv(out / "scale_t_raw_pair.csv")
     assert [(r["context"], r["batch"]) for r in pair] == [(c, b) for b in ("4", "8", "32") for c in ("a", "b", "sum")]
     rows = read_csv(out / "scale_t_retention.csv")
