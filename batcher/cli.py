@@ -100,13 +100,19 @@ def _check(config, load: bool) -> int:
 
     from .loader import load_model
 
-    from .topology import selected_versions
+    from .topology import frontends, selected_versions, single_process_problem
 
     by_name: dict[str, list] = {}
     for m in config.models:
         by_name.setdefault(m.name, []).append(m)
     served = {name: selected_versions(cfgs) for name, cfgs in by_name.items()}
     problems = 0
+    n = frontends(config)
+    problem = single_process_problem(config) if n == 0 else None
+    if problem is not None:  # what serve would refuse on this machine (frontends null: 0 on 2 cores or fewer)
+        unset = " (server.frontends null: 0 on this machine)" if config.server.frontends is None else ""
+        print(f"batcher: {problem}{unset}", file=sys.stderr)
+        problems += 1
     for i, m in enumerate(config.models):
         where = f"models[{i}]"
         try:

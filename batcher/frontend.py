@@ -43,7 +43,8 @@ class RemoteDataPlane:
         self.metrics = metrics
         self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
-        self.links = [EngineLink(e, paths[e], engine_slots(config, e)) for e in engines(config)]
+        self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions)
+                      for e in engines(config)]
         by_engine = {link.engine: link for link in self.links}
         self._links_of = {(m.name, str(m.version)): [by_engine[e] for e in model_engines(config, m)]
                           for m in config.models}
@@ -59,9 +60,36 @@ class RemoteDataPlane:
         return self._started and not self._draining and all(link.connected for link in self.links)
 
     async def start(self) -> None:
-        """Connect to every engine process (they are ready before front ends start)."""
-        await asyncio.gather(*(link.connect() for link in self.links))
+        """Connect to every engine process (they are ready before front ends start; one being restarted when this
+        front end starts again is connected to once it is back, :meth:`EngineLink.start`)."""
+        await asyncio.gather(*(link.start() for link in self.links))
         self._started = True
+
+    async def _restore_regions(self, link: EngineLink) -> None:
+        """An engine process that restarted has lost the shared-memory regions clients registered while its siblings
+        kept theirs: register the siblings' system regions there again (several front ends may: "already
+        registered" is expected). CUDA regions cannot be: their IPC handle is not kept; logged, to be registered
+        again by the client (unregister, then register)."""
+        shm = self.config.server.shared_memory
+        sibling = next((other for other in self.links if other is not link and other.connected), None)
+        if sibling is None or not (shm.system or shm.cuda):
+            return
+        try:
+            regions = await sibling.call("shm_status", "system") if shm.system else []
+            cuda = await sibling.call("shm_status", "cuda") if shm.cuda else []
+        except BatcherError:
+            return
+        for r in regions:
+            try:
+                await link.call("shm_register", "system", r["name"], key=r["key"], offset=r["offset"],
+                                byte_size=r["byte_size"])
+            except BatcherError as exc:
+                if "already registered" not in exc.message:
+                    log.warning("system shared memory region '%s' could not be registered again in the %s: %s",
+                                r["name"], link.name, exc.message)
+        if cuda:
+            log.warning("the %s restarted without the CUDA shared memory regions %s: clients must unregister and "
+                        "register them again", link.name, ", ".join(repr(r["name"]) for r in cuda))
 
     async def drain(self, grace_s: float) -> None:
         """SIGTERM: readiness false and new requests 503, until this front end's accepted requests are answered
@@ -206,6 +234,8 @@ class RemoteDataPlane:
             cfg = self.catalog.slot(model, version).cfg
             cfgs = [cfg] if version is not None else self._served_cfgs(cfg.name)
             links = list(dict.fromkeys(link for c in cfgs for link in self._links_of[(c.name, str(c.version))]))
+        else:  # every model: those of engine processes being restarted are left out meanwhile
+            links = [link for link in links if link.connected]
         docs = await asyncio.gather(*(link.call("statistics", model, version) for link in links))
         return merge_statistics(docs)
 
@@ -241,12 +271,20 @@ class RemoteDataPlane:
 
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
         """Any other public data-plane method (e.g. the shared-memory extension's): called in every engine process
-        (a request may go to any of them); the first answer is returned."""
+        that is running (a request may go to any of them; one being restarted gets the regions of the others when
+        it is back, :meth:`_restore_regions`); the first answer is returned.
+
+        Raises:
+            Unavailable: no engine process is running.
+        """
         if method.startswith("_"):
             raise AttributeError(method)
 
         async def everywhere(*args: Any, **kwargs: Any) -> Any:
-            answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in self.links))
+            up = [link for link in self.links if link.connected]
+            if not up:
+                raise Unavailable("no engine process is running; they are being restarted", retry_after_s=1)
+            answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in up))
             return answers[0]
 
         return everywhere

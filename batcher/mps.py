@@ -17,9 +17,11 @@ processes per GPU under one daemon, and a GPU in the default or exclusive-proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 
 from .errors import ConfigError
@@ -62,8 +64,11 @@ class MpsDaemon:
         self._control = control
         try:
             code, output = self._run(["-d"], None)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ConfigError(f"server.cuda_mps: '{control} -d' failed: {exc}") from None
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"server.cuda_mps: '{control} -d' did not return within {TIMEOUT_S:g} s; "
+                              "it was stopped") from None
+        except OSError as exc:
+            raise ConfigError(f"server.cuda_mps: '{control} -d' failed: {exc.strerror or exc}") from None
         if code != 0:
             raise ConfigError(f"server.cuda_mps: '{control} -d' failed (exit code {code}): {output or 'no output'}")
         os.environ.update(self._env)
@@ -87,8 +92,15 @@ class MpsDaemon:
         """The control program's exit code and output. Its output goes through a file, not a pipe: with ``-d`` the
         daemon it forks keeps the inherited descriptors open, and reading a pipe to its end would wait for it."""
         with open(os.path.join(self._env["CUDA_MPS_LOG_DIRECTORY"], "control-output.txt"), "w+") as out:
-            feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
-            done = subprocess.run([self._control, *argv], **feed, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                  timeout=TIMEOUT_S, env={**os.environ, **self._env})
+            proc = subprocess.Popen([self._control, *argv], stdin=subprocess.PIPE if stdin is not None else
+                                    subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, **self._env}, start_new_session=True)
+            try:
+                proc.communicate(stdin, timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # hung: its whole process group goes, nothing is left behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             out.seek(0)
-            return done.returncode, out.read().strip()
+            return proc.returncode, out.read().strip()

@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -60,8 +61,11 @@ class _Sent:
 class EngineLink:
     """One front end's connection to one engine process (reconnected after the engine process restarts)."""
 
-    def __init__(self, engine: Engine, path: str, keys: list[tuple[str, str]]) -> None:
+    def __init__(self, engine: Engine, path: str, keys: list[tuple[str, str]],
+                 on_reconnect: Callable[[EngineLink], Awaitable[None]] | None = None) -> None:
+        """``on_reconnect``: awaited each time the link is back after its engine process restarted."""
         self.engine = engine
+        self.on_reconnect = on_reconnect
         self.name = f"engine process for {engine.name}"
         self.path = path
         self.keys = keys
@@ -80,6 +84,20 @@ class EngineLink:
         self._closing = False
 
     # ---------------------------------------------------------------- connection
+    async def start(self) -> None:
+        """Connect; an engine process that is not listening (being restarted: this front end was started again
+        meanwhile) is connected to in the background, its models answered 503 until then.
+
+        Raises:
+            ValueError: it serves other model versions.
+        """
+        try:
+            await self.connect()
+        except OSError as exc:
+            log.warning("the %s is not running (%s); answering 503 for its models until it is back", self.name,
+                        exc.strerror or exc)
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
     async def connect(self) -> None:
         """Connect and take the engine's shared areas.
 
@@ -140,7 +158,9 @@ class EngineLink:
             except (OSError, ValueError):
                 delay = min(RECONNECT_MAX_S, delay * 2)
                 continue
-            log.info("reconnected to the %s (pid %s)", self.name, self.pid)
+            if self.on_reconnect is not None:
+                await self.on_reconnect(self)
+            log.info("reconnected to the %s (pid %s)", self.name, self.pid)  # after on_reconnect: tests wait for it
             return
 
     async def close(self) -> None:

@@ -122,3 +122,20 @@ def test_check_config_marks_versions_its_version_policy_does_not_serve(tmp_path)
     lines = r.stdout.splitlines()
     assert lines[0].startswith("t v1:") and lines[0].endswith("; not served: outside its version_policy)")
     assert lines[1].startswith("t v2:") and "not served" not in lines[1]
+
+
+def test_check_config_refuses_what_serve_refuses_in_single_process_mode(tmp_path):
+    """A fresh user's find: check-config passed configs that serve then refused in single-process mode."""
+    cfg = tmp_path / "c.yaml"
+    for server, unset in (("{frontends: 0, engine_processes: per_model}", ""),
+                          ("{frontends: 0, cuda_mps: true}", ""),
+                          ("{engine_processes: per_model}", " (server.frontends null: 0 on this machine)")):
+        cfg.write_text(f"server: {server}\nmodels:\n  - {{name: m, path: 'zoo:tiny_cnn'}}\n")
+        r = _cli("check-config", str(cfg))
+        if unset and "0 on this machine" not in r.stderr and r.returncode == 0:
+            continue  # a machine with more than 2 usable cores defaults to multi-process mode: nothing to refuse
+        assert r.returncode == 2, (server, r.stderr)
+        assert "applies to the engine processes of multi-process mode" in r.stderr and r.stderr.endswith(
+            unset + "\n")
+    cfg.write_text("server: {frontends: 1, engine_processes: per_model}\nmodels:\n  - {name: m, path: 'zoo:tiny_cnn'}\n")
+    assert _cli("check-config", str(cfg)).returncode == 0

@@ -425,3 +425,50 @@ def test_engine_processes_and_cuda_mps_need_multi_process_mode(start_server):
             start_server({"server": {"frontends": 0, key: value}, "models": [MID]}, timeout_s=60)
         assert f"server.{key}: {str(value).lower()} applies to the engine processes of multi-process mode" \
             in str(exc.value)
+
+
+async def test_an_engine_process_that_restarts_gets_the_shared_memory_regions_of_the_others(start_server):
+    """``engine_processes: per_model``, system shared memory (a fresh user's find: after one model's engine
+    process restarted, status listed no region while the other process still had it, and registering it again
+    was refused): the restarted process gets the other's regions again, so status, inference, unregister and
+    register agree across processes."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    models = [m for m in _default_config()["models"] if m["name"] in ("tiny_cnn", "mid_cnn")]
+    server = start_server({"server": {"frontends": 1, "engine_processes": "per_model",
+                                      "shared_memory": {"system": True}}, "models": models})
+    pids = {m: int(_wait_log(server, rf"engine-cpu:{m} ready \(pid (\d+)\)")[0]) for m in ("tiny_cnn", "mid_cnn")}
+    x = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
+    seg = SharedMemory(create=True, size=x.nbytes)
+    try:
+        np.ndarray(x.shape, x.dtype, buffer=seg.buf)[...] = x
+        reg = {"key": "/" + seg.name, "offset": 0, "byte_size": x.nbytes}
+        body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "parameters": {
+            "shared_memory_region": "r", "shared_memory_byte_size": x.nbytes}}]})
+        async with aiohttp.ClientSession() as s:
+            async def post(path: str, data: bytes = b"") -> int:
+                async with s.post(server.base + path, data=data) as r:
+                    await r.read()
+                    return r.status
+
+            async def status() -> list:
+                async with s.get(f"{server.base}/v2/systemsharedmemory/status") as r:
+                    return orjson.loads(await r.read())
+
+            assert await post("/v2/systemsharedmemory/region/r/register", orjson.dumps(reg)) == 200
+            os.kill(pids["tiny_cnn"], signal.SIGKILL)
+            _wait_log(server, r"engine-cpu:tiny_cnn ready", count=2)
+            _wait_log(server, r"reconnected to the engine process for cpu:tiny_cnn")
+            assert [r["name"] for r in await status()] == ["r"]
+            for model in ("tiny_cnn", "mid_cnn"):
+                assert await post(f"/v2/models/{model}/infer", body) == 200
+            assert await post("/v2/systemsharedmemory/region/r/unregister") == 200
+            assert await status() == []
+            assert await post("/v2/systemsharedmemory/region/r/register", orjson.dumps(reg)) == 200
+            assert [r["name"] for r in await status()] == ["r"]
+            assert await post("/v2/systemsharedmemory/region/r/unregister") == 200
+    finally:
+        seg.close()
+        seg.unlink()
+    assert server.stop() == 0
+    assert "Traceback" not in server.log()

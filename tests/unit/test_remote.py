@@ -258,6 +258,28 @@ async def test_a_stopped_engine_makes_its_models_503_until_it_is_back():
         assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
 
 
+async def test_a_front_end_that_starts_while_an_engine_is_down_serves_the_others_and_connects_it_later():
+    """A front end restarted while an engine process is being restarted too (a fresh user's find: it died with
+    ConnectionRefusedError): it starts, answers 503 for that engine's models, serves the others' models and
+    all-model statistics, and connects to the engine once it listens again."""
+    models = [{"name": "a", "max_batch_size": 8}, {"name": "b", "max_batch_size": 8}]
+    async with served(models, server={"engine_processes": "per_model"}) as (remote, engines):
+        await engines["cpu:a"].server.close()  # a's engine process is down
+        late = RemoteDataPlane(remote.config, Metrics(), {link.engine: link.path for link in remote.links})
+        await late.start()  # a new front end, now
+        try:
+            assert [link.connected for link in late.links] == [False, True] and not late.ready
+            with pytest.raises(Unavailable):
+                await late.infer("a", None, now(), read(request(1)), copy_out)
+            assert (await late.infer("b", None, now(), read(request(1, 3.0)), copy_out))[2].tolist() == [[6.0] * 4]
+            assert [s["name"] for s in (await late.statistics())["model_stats"]] == ["b"]
+            await engines["cpu:a"].server.start()  # back
+            assert await eventually(lambda: late.ready)
+            assert (await late.infer("a", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
+        finally:
+            await late.close()
+
+
 async def test_an_answer_whose_engine_died_before_its_ack_is_counted_by_the_front_end():
     """The engine process counts an outcome when the front end's ACK arrives; one that dies in between counts
     nothing, so the front end counts the answer it delivered."""
