@@ -219,7 +219,8 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
     """Validate a parsed YAML document.
 
     Raises:
-        ConfigError: every problem, one per line, as ``path: message (got value)``.
+        ConfigError: every problem, one per line, as ``path: message (got value)`` (the value left out when the
+            message names it, or when it is a whole section).
     """
     try:
         return Config.model_validate(data)
@@ -228,7 +229,10 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         for err in exc.errors():
             where = _path(err["loc"]) or "config"
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+            value = err.get("input")
+            # a whole section (a rule across its keys) or a value the message names already is not repeated
+            shown = "" if isinstance(value, (dict, list)) or repr(value) in msg else f" (got {value!r})"
+            lines.append(f"{where}: {msg}{shown}")
         raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines)) from None
 
 

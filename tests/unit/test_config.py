@@ -246,3 +246,17 @@ def test_a_serving_process_freezes_its_start_up_heap_and_collects_its_youngest_o
             "print(gc.get_freeze_count() > 1000, gc.get_threshold() == (GC_THRESHOLD0, *t[1:]), GC_THRESHOLD0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True", "10000"]
+
+
+def test_a_config_error_shows_the_value_once_and_never_a_whole_section():
+    """A fresh user's find: ``got 'a/b' (got 'a/b')``, and a rule across server keys printing the whole section."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"models": [{"name": "a/b", "path": "p"}]})
+    assert str(exc.value).count("'a/b'") == 1
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"server": {"engine_processes": "per_model", "load_strategy": "lru", "memory_budget_mb": 100},
+                      "models": [{"name": "a", "path": "p"}]})
+    assert str(exc.value).endswith("no process could unload one model for another")
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"models": [{"name": "a", "path": "p", "max_batch_size": -3}]})
+    assert "models[0].max_batch_size" in str(exc.value) and "(got -3)" in str(exc.value)
