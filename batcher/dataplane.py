@@ -97,27 +97,21 @@ class CountedLater:
     arrival, as it would have been after ``deliver`` returned. Saves the engine process a wake-up of the request's
     task per request."""
 
-    __slots__ = ("_count", "_reason")
-
-    _UNSET = object()
+    __slots__ = ("_count",)
 
     def __init__(self) -> None:
         self._count: Callable[[str | None], None] | None = None
-        self._reason: Any = self._UNSET
 
     def bind(self, count: Callable[[str | None], None]) -> None:
-        """Called by the data plane once ``deliver`` returned this (a settle already made is applied now)."""
+        """Called by the data plane as soon as ``deliver`` returned this, before anything else runs on the loop
+        (so before any message that could settle it is read)."""
         self._count = count
-        if self._reason is not self._UNSET:
-            self.settle(self._reason)
 
     def settle(self, reason: str | None) -> None:
         """The answer's outcome (None: delivered). Only the first call counts."""
         count, self._count = self._count, None
         if count is not None:
             count(reason)
-        elif self._reason is self._UNSET:
-            self._reason = reason
 
 
 class Inflight:
