@@ -21,8 +21,10 @@ CPU per request (all its processes) and the ratio to the raw engine's rows/s at 
   mode; default 0,1,2,4,8), the curve the issue asks for;
 * (m) ``scale_m_shm``: the input in system shared memory (Triton's extension, one registered segment) against
   binary HTTP, at the largest number of front ends;
-* (t) ``scale_t_retention``: two copies of the model served together, ``--retention-clients`` each (seed 002's
-  measure: 16), alone then together: what each keeps, and the seed's ratio; both in one engine process
+* (t) ``scale_t_retention``: two models served together (``--retention-models``, default two copies of the
+  model; seed 000 served ``tiny_cnn,resnet18``), ``--retention-instances`` contexts each (the seed: 4), at each of
+  ``--retention-clients`` clients per model (the seed: 4; 16 is at saturation on an H200), alone then together:
+  what each keeps, and the seed's ratio; both in one engine process
   (``shared``), in an engine process each (``per_model``), the same under NVIDIA MPS (``per_model_mps``) or in a
   server each (``separate``, ``--retention-layouts``); first ``scale_t_raw_pair``, two contexts with no HTTP;
 * (g) ``scale_g_gpus``: ``gpus: [0]`` against ``gpus: [0, 1]`` (one engine process and queue per GPU), twice the
@@ -56,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="(n): front ends to try; 0: one process")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="uvloop", help="server.event_loop")
     p.add_argument("--buffer-mb", type=int, default=256, help="server.frontend_buffer_mb (per front end x engine)")
-    p.add_argument("--retention-clients", type=int, default=16, help="(t): clients per model (seed 002: 16)")
+    p.add_argument("--retention-clients", type=comma_list(int), default=[4, 16],
+                   help="(t): closed-loop clients per model, each a step (default 4,16; seed 000: 4)")
+    p.add_argument("--retention-instances", type=int, default=None,
+                   help="(t): contexts per model (default: --instances; seed 000: 4)")
+    p.add_argument("--retention-models", type=comma_list(str), default=None,
+                   help="(t): the two zoo models (default: two copies of --model; seed 000: tiny_cnn,resnet18)")
     p.add_argument("--retention-layouts", type=comma_list(layout), default=["shared", "per_model"],
                    help="(t): shared (one engine process, both models), per_model (engine_processes: per_model), "
                         "per_model_mps (the same with server.cuda_mps: NVIDIA MPS), separate (a server per model)")

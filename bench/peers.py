@@ -38,10 +38,20 @@ with ``--frontend-clients`` clients (each server at its own pace) and open loop 
 work per second for both: CPU per request of an event loop falls as load rises, so this is the like-for-like
 one); CPU seconds (utime + stime of the server process from ``/proc/PID/stat``) over the requests served.
 
+``--generator h2load`` has nghttp2's native h2load send the peers' steps instead of the sweep tool's Python drivers
+(:mod:`bench.sweep.h2load`): about 0.05 ms of client CPU per request instead of 0.2-0.7, so the client leaves the
+cores to the servers. Every step row has the client's own CPU per request (``client_cpu_ms_per_req``).
+
+Bound (``--sections bound``): ours (the MLP, each of ``--encodings``) and a bare aiohttp handler on uvloop given the
+same body, each at ``--bound-clients`` closed-loop clients from h2load; the CPU of each server thread from
+``/proc/PID/task`` and of the whole machine over the window: whether one thread (the event loop) or the machine
+is the bound (``OUT/bound.csv``).
+
 Writes ``OUT/peers.csv`` (one row per server and encoding, with ``*_vs_ours`` ratios: the server's value over
-ours), ``OUT/steps.csv`` (every load step), ``OUT/frontend.csv``, ``OUT/targets.csv``, ``OUT/peers.json`` (all of
-it plus the settings), the servers' logs, and prints the tables and whether each target is met. The load client
-runs on the same machine as the server (2 cores here): every server shares the cores with the same client.
+ours), ``OUT/steps.csv`` (every load step), ``OUT/frontend.csv``, ``OUT/bound.csv``, ``OUT/targets.csv``,
+``OUT/peers.json`` (all of it plus the settings), the servers' logs, and prints the tables and whether each target
+is met. The load client runs on the same machine as the server (2 cores here): every server shares the cores with
+the same client.
 """
 
 from __future__ import annotations
@@ -143,6 +153,30 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, 
             role = role_of(p)
             out[role] = out.get(role, 0.0) + after[p] - before[p]
     return out
+
+
+def thread_cpu(pid: int) -> dict[tuple[int, int, str], float]:
+    """CPU seconds of every thread of ``pid`` and its descendants: ``(pid, tid, thread name) -> seconds``, from
+    ``/proc/PID/task``; a process or thread that ends meanwhile is left out."""
+    out = {}
+    for p in descendants(pid):
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{p}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                out[(p, int(tid), name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine spent not idle since boot (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
 
 
 @dataclass
@@ -251,15 +285,25 @@ def check_answer(server: Running, binary: bool, seed: int = 0) -> float:
 # ----------------------------------------------------------------------------------------------------- load
 
 
+def client_cpu_seconds() -> float:
+    """CPU seconds of this process and of its waited-for children (h2load, client processes once they exit)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str, level: float,
-             duration: float, warmup: float, processes: int, client_timeout: float) -> dict:
-    """One step of the sweep tool (closed: ``level`` clients; open: ``level`` req/s) plus the server's CPU time
-    per 200 answer over the measured window (its process tree)."""
+             duration: float, warmup: float, processes: int, client_timeout: float,
+             generator: str = "python") -> dict:
+    """One step of the sweep tool (closed: ``level`` clients; open: ``level`` req/s; sent by ``generator``:
+    ``python`` or ``h2load``) plus the server's CPU time per 200 answer over the measured window (its process
+    tree) and the load client's CPU per request over the whole step (``client_cpu_ms_per_req``: this process and
+    h2load; client processes of ``--processes`` are not counted)."""
     cfg = SweepConfig(url=server.url, model=server.model, mode=mode,
                       rates=[float(level)] if mode == "open" else [],
                       concurrency=[int(level)] if mode == "closed" else [], duration=duration, warmup=warmup,
                       processes=processes, client_timeout_s=client_timeout, metrics_url=server.metrics_url,
-                      progress=False)
+                      progress=False, generator=generator)
+    client0 = client_cpu_seconds()
     marks: dict[str, dict[int, float]] = {}
     lead = 0.3 if processes > 1 else 0.02
     timer = threading.Timer(lead + warmup + (1.5 if processes > 1 else 0.0),
@@ -270,6 +314,9 @@ def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str
     timer.cancel()
     cpu_after = tree_cpu_seconds(server.pid)
     row = dict(rows[0])
+    sent = (warmup + duration) / duration * row["requests"]  # the window's requests, scaled to the whole step
+    row["client_cpu_ms_per_req"] = (client_cpu_seconds() - client0) / sent * 1e3 if sent else float("nan")
+    row["generator"] = generator
     if "start" in marks and row["ok"]:
         row["cpu_ms_per_req"] = cpu_delta(marks["start"], cpu_after) / row["ok"] * 1e3
         row["cpu_cores"] = cpu_delta(marks["start"], cpu_after) / max(time.monotonic() - t0 - warmup, 1e-9)
@@ -307,6 +354,7 @@ def fmt_step(name: str, enc: str, row: dict) -> str:
     batch = row.get("avg_batch_size")
     return (f"  {name:<8} {enc:<6} {row['mode']:<6} {lvl:>13}: {row['achieved_qps']:8.1f} req/s  "
             f"p50 {row['p50_ms']:7.2f}  p99 {row['p99_ms']:7.2f} ms  cpu {row['cpu_ms_per_req']:.3f} ms/req"
+            f" (client {row['client_cpu_ms_per_req']:.3f})"
             + (f"  batch {batch:.1f}" if batch else "") + extra)
 
 
@@ -315,7 +363,8 @@ def measure_peer(server: Running, requests: dict, args: argparse.Namespace, step
     def step(enc: str, mode: str, level: float) -> dict:
         body, headers = requests[enc]
         row = one_step(server, body, headers, mode=mode, level=level, duration=args.duration,
-                       warmup=args.warmup, processes=args.processes, client_timeout=args.client_timeout)
+                       warmup=args.warmup, processes=args.processes, client_timeout=args.client_timeout,
+                       generator=args.generator)
         row.update(server=server.name, encoding=enc)
         steps.append(row)
         print(fmt_step(server.name, enc, row), flush=True)
@@ -443,6 +492,57 @@ def measure_frontend(trivial_path: Path, workdir: Path, args: argparse.Namespace
     return rows
 
 
+def measure_bound(mlp_path: Path, workdir: Path, args: argparse.Namespace) -> list[dict]:
+    """Where each server's bound lies on this machine: ours (the MLP, each of ``--encodings``) and a bare aiohttp
+    handler on uvloop (``bench/bare_server.py``: reads the same body, returns a fixed one), each at
+    ``--bound-clients`` closed-loop clients from h2load (a native client, so that the load takes little of the
+    cores). Per row: req/s; the CPU of the server's busiest thread (in single-process mode its event loop), of
+    all its threads, and of the whole machine (h2load included), in cores over the measured window; and the
+    busiest thread's microseconds per request. A busiest thread near 1.00 core with the machine short of its
+    cores means one thread is the bound, not the machine."""
+    requests = mlp_requests()
+    rows = []
+    for kind in ("ours", "bare-uvloop"):
+        server = start(kind, mlp_path, "mlp", workdir, args)
+        try:
+            for enc in args.encodings:
+                body, headers = requests[enc]
+                marks: dict[str, tuple] = {}
+
+                def mark(key: str, pid: int = server.pid) -> None:
+                    marks[key] = (thread_cpu(pid), machine_busy_seconds(), time.monotonic())
+
+                timers = [threading.Timer(args.warmup, mark, ("start",)),
+                          threading.Timer(args.warmup + args.duration, mark, ("end",))]
+                for t in timers:
+                    t.start()
+                row = one_step(server, body, headers, mode="closed", level=args.bound_clients,
+                               duration=args.duration, warmup=args.warmup, processes=1,
+                               client_timeout=args.client_timeout, generator="h2load")
+                for t in timers:
+                    t.join()
+                (t0, busy0, w0), (t1, busy1, w1) = marks["start"], marks["end"]
+                wall = w1 - w0
+                per_thread = {k: (t1[k] - t0[k]) / wall for k in t1 if k in t0}
+                busiest = max(per_thread.values(), default=float("nan"))
+                qps = row["achieved_qps"]
+                out = {"server": server.name, "encoding": enc, "clients": args.bound_clients,
+                       "request_bytes": len(body), "qps": qps, "errors": row["errors"], "p99_ms": row["p99_ms"],
+                       "busiest_thread_cores": busiest, "server_threads_cores": sum(per_thread.values()),
+                       "threads": sum(1 for v in per_thread.values() if v > 0.01),
+                       "machine_busy_cores": (busy1 - busy0) / wall, "machine_cores": os.cpu_count(),
+                       "busiest_thread_us_per_req": busiest / qps * 1e6 if qps else float("nan"),
+                       "client_cpu_ms_per_req": row["client_cpu_ms_per_req"]}
+                rows.append(out)
+                print(f"  {server.name:<11} {enc:<6} {args.bound_clients} clients: {qps:8.1f} req/s, busiest thread "
+                      f"{busiest:.2f} cores ({out['busiest_thread_us_per_req']:.1f} us/request), all threads "
+                      f"{out['server_threads_cores']:.2f}, machine {out['machine_busy_cores']:.2f} of "
+                      f"{os.cpu_count()}", flush=True)
+        finally:
+            server.handle.stop()
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------- output
 
 PEER_COLUMNS = ["server", "encoding", "p50_1client_ms", "qps_16clients", "p99_16clients_ms",
@@ -454,9 +554,13 @@ FRONTEND_COLUMNS = ["server", "load", "rounds", "requests", "ok", "errors", "req
                     "cpu_s", "cpu_us_per_req", "cpu_us_per_req_min", "cpu_us_per_req_max", "cpu_us_per_req_engine",
                     "cpu_us_per_req_frontend", "cpu_cores", "p50_ms",
                     "p99_ms", "cpu_vs_bare", "cpu_vs_ours"]
+BOUND_COLUMNS = ["server", "encoding", "clients", "request_bytes", "qps", "errors", "p99_ms", "busiest_thread_cores",
+                 "busiest_thread_us_per_req", "server_threads_cores", "threads", "machine_busy_cores", "machine_cores",
+                 "client_cpu_ms_per_req"]
 STEP_COLUMNS = ["server", "encoding", "mode", "offered_qps", "concurrency", "achieved_qps", "requests", "ok",
                 "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "cpu_ms_per_req", "cpu_cores",
-                "errors_by_status", "client_overload", "peak_inflight", "send_lag_p99_ms", "duration_s"]
+                "errors_by_status", "client_overload", "peak_inflight", "send_lag_p99_ms", "duration_s",
+                "generator", "client_cpu_ms_per_req"]
 
 
 def peer_rows(summaries: dict[str, dict], args: argparse.Namespace, fixed_qps: float | None) -> list[dict]:
@@ -541,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=comma_list(str), default=list(SERVERS),
                    help=f"peers to measure, in order (default: {','.join(SERVERS)}); ours is the reference")
     p.add_argument("--sections", type=comma_list(str), default=["peers", "frontend"],
-                   help="what to run: peers, frontend (default: both)")
+                   help="what to run: peers, frontend, bound (where ours and a bare aiohttp handler are bound, by "
+                        "thread, under h2load) (default: peers,frontend)")
     g = p.add_argument_group("load (the sweep tool's settings)")
     g.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
     g.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each step (default: 1)")
@@ -564,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rate for 'p99 at a fixed QPS', run for every server (default: the highest of --rates "
                         "every server passed)")
     g.add_argument("--processes", type=int, default=1, help="load client processes (default: 1)")
+    g.add_argument("--generator", choices=["python", "h2load"], default="python",
+                   help="who sends the peers' load: the sweep tool's drivers (default) or nghttp2's h2load, a "
+                        "native load generator at about a tenth of the client CPU per request (apt install "
+                        "nghttp2-client; bench/sweep/h2load.py). The front-end section always uses the drivers")
     g.add_argument("--client-timeout", type=float, default=10.0, help="seconds per request (default: 10)")
     g = p.add_argument_group("servers")
     g.add_argument("--max-batch-size", type=int, default=32, help="ours and PyTriton (default: 32)")
@@ -578,6 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pytriton-python", default=None,
                    help=f"Python with nvidia-pytriton and onnxruntime (default: this one if it has pytriton, else "
                         f"{DEFAULT_PYTRITON_VENV})")
+    g.add_argument("--bound-clients", type=int, default=16,
+                   help="bound: h2load's closed-loop clients (default: 16)")
     g = p.add_argument_group("front end")
     g.add_argument("--frontend-servers", type=comma_list(str), default=["ours", "bare"],
                    help="servers of the CPU test: ours, bare, bare-uvloop, nobatch (default: ours,bare)")
@@ -597,10 +708,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     bad = [s for s in args.servers if s not in SERVERS] + [e for e in args.encodings if e not in ("json", "binary")]
     bad += [s for s in args.frontend_servers if s not in ("ours", "bare", "bare-uvloop", "nobatch")]
-    bad += [s for s in args.sections if s not in ("peers", "frontend")]
+    bad += [s for s in args.sections if s not in ("peers", "frontend", "bound")]
     if bad:
         print(f"error: unknown value(s) {bad}", file=sys.stderr)
         return 2
+    if (args.generator == "h2load" and "peers" in args.sections) or "bound" in args.sections:
+        import shutil
+
+        from bench.sweep.h2load import INSTALL_HINT
+
+        if shutil.which("h2load") is None or args.processes > 1:
+            print(f"error: {INSTALL_HINT}" if args.processes == 1 else
+                  "error: --generator h2load runs in one process: leave out --processes", file=sys.stderr)
+            return 2
     if args.rates != sorted(args.rates):
         print("error: --rates must be ascending", file=sys.stderr)
         return 2
@@ -620,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     mlp_path, trivial_path = write_mlp(models / "mlp.onnx"), write_trivial(models / "trivial.onnx")
     settings = dict(vars(args))
     settings.update(python=sys.version.split()[0], machine=platform.platform(), cores=os.cpu_count())
-    print(f"peers: {', '.join(args.servers)}; MLP 512-2048-512 at {mlp_path}; {os.cpu_count()} cores", flush=True)
+    print(f"sections {', '.join(args.sections)}; peers {', '.join(args.servers)}; MLP 512-2048-512 at {mlp_path}; "
+          f"{os.cpu_count()} cores", flush=True)
 
     summaries: dict[str, dict] = {}
     steps: list[dict] = []
@@ -654,6 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     if "frontend" in args.sections:
         print("[frontend] trivial model, binary tensors, fixed request count", flush=True)
         frontend = measure_frontend(trivial_path, logs, args)
+    bound: list[dict] = []
+    if "bound" in args.sections:
+        print(f"[bound] ours and a bare aiohttp handler, MLP body, {args.bound_clients} clients from h2load",
+              flush=True)
+        bound = measure_bound(mlp_path, logs, args)
     goals = targets(summaries, peers, frontend, args)
 
     if peers:
@@ -676,6 +802,13 @@ def main(argv: list[str] | None = None) -> int:
                           ("min", "cpu_us_per_req_min", 1), ("max", "cpu_us_per_req_max", 1),
                           ("engine", "cpu_us_per_req_engine", 1), ("front ends", "cpu_us_per_req_frontend", 1),
                           ("cores", "cpu_cores", 2), ("p50 ms", "p50_ms", 2), ("vs bare", "cpu_vs_bare", 2)], frontend))
+    if bound:
+        write_csv(out / "bound.csv", bound, BOUND_COLUMNS, digits=3)
+        print(f"\nbound ({args.bound_clients} closed-loop clients from h2load; CPU in cores over the window)")
+        print(text_table([("server", "server", -1), ("enc", "encoding", -1), ("req/s", "qps", 1),
+                          ("busiest thread", "busiest_thread_cores", 2), ("us/req", "busiest_thread_us_per_req", 1),
+                          ("all threads", "server_threads_cores", 2), ("machine", "machine_busy_cores", 2),
+                          ("p99 ms", "p99_ms", 2)], bound))
     if goals:
         write_csv(out / "targets.csv", goals, ["target", "ours", "peer", "ratio", "met", "note"], digits=3)
         print("\ntargets")
@@ -684,9 +817,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{g['peer']:.3f}, ratio {g['ratio']:.3f}" + (f" ({g['note']})" if g["note"] else ""))
     write_json(out / "peers.json", {
         "settings": settings, "fixed_qps": fixed_qps, "answer_max_abs_diff": checks, "summaries": summaries,
-        "peers": peers, "frontend": frontend, "targets": goals, "log_problems": problems,
+        "peers": peers, "frontend": frontend, "bound": bound, "targets": goals, "log_problems": problems,
     })
-    print(f"\nwrote {', '.join(str(out / f) for f in ('peers.csv', 'steps.csv', 'frontend.csv', 'targets.csv', 'peers.json') if (out / f).exists())}")
+    files = ("peers.csv", "steps.csv", "frontend.csv", "bound.csv", "targets.csv", "peers.json")
+    print(f"\nwrote {', '.join(str(out / f) for f in files if (out / f).exists())}")
     return 0
 
 

@@ -7,6 +7,7 @@ Tests live in two tiers, each marked by its folder: ``tests/unit`` (``-m unit``:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = Path(str(item.fspath)).parent.name
         if tier in ("unit", "integration"):
             item.add_marker(tier)
+
+
+@pytest.fixture
+def h2load() -> str:
+    """The h2load binary (``apt-get install nghttp2-client``); the test is skipped without it, and fails instead
+    with BATCHER_REQUIRE_H2LOAD=1 (CI installs it and sets that, so these tests cannot pass by being skipped)."""
+    found = shutil.which("h2load")
+    if found is None:
+        why = "h2load is not installed (apt-get install nghttp2-client)"
+        if os.environ.get("BATCHER_REQUIRE_H2LOAD") == "1":
+            pytest.fail(why + " (BATCHER_REQUIRE_H2LOAD=1)")
+        pytest.skip(why)
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.peers import CLK_TCK, descendants
+from bench.peers import thread_cpu
 from bench.server import ServerProcess
 
 from .common import finish, images, say
@@ -30,22 +30,6 @@ from .scale import binary_request, load, model_entry, server_config, shm_input
 
 _READY = re.compile(r"((?:engine|frontend)-\S+) ready \(pid (\d+)\)")
 _FRAME = re.compile(r" \((.*?):\d+\)")
-
-
-def thread_cpu(pid: int) -> dict[tuple[int, int, str], float]:
-    """CPU seconds of every thread of ``pid`` and its descendants: ``(pid, tid, thread name) -> seconds``."""
-    out = {}
-    for p in descendants(pid):
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{p}/task/{tid}/comm") as f:
-                    name = f.read().strip()
-                out[(p, int(tid), name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-        except OSError:  # gone meanwhile
-            pass
-    return out
 
 
 def roles(log: str, supervisor: int) -> dict[int, str]:

@@ -101,18 +101,21 @@ def part_a(models: list[str], precisions: list[str], device: str, seconds: float
     return rows
 
 
-def part_pair(model: str, precision: str, device: str, seconds: float, out: Path, sizes=(4, 8, 32)) -> list[dict]:
-    """Retention of the GPU itself: two contexts of ``model`` in this process (two engines, as two models served
-    together), each running batches back to back on its own thread, alone and then both at once; rows/s of each
-    and what each keeps. No HTTP, no queue: the bound a server can reach when two models share one device."""
+def part_pair(model: str, precision: str, device: str, seconds: float, out: Path, sizes=(4, 8, 32),
+              models: list[str] | None = None) -> list[dict]:
+    """Retention of the GPU itself: two contexts in this process (two engines, as two models served together:
+    ``models``, default two of ``model``), each running batches back to back on its own thread, alone and then
+    both at once; rows/s of each and what each keeps. No HTTP, no queue: the bound a server can reach when two
+    models share one device."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engines.onnxruntime import OnnxRuntimeEngine
     from engines.zoo import resolve
 
-    path = resolve(f"zoo:{model}")
+    models = models or [model, model]
     x = images(max(SIZES))
-    engines = [OnnxRuntimeEngine(path, device=device, batch_sizes=SIZES, precision=precision) for _ in range(2)]
+    engines = [OnnxRuntimeEngine(resolve(f"zoo:{m}"), device=device, batch_sizes=SIZES, precision=precision)
+               for m in models]
     contexts = [e.create_context() for e in engines]
     rows: list[dict] = []
     try:
@@ -132,9 +135,10 @@ def part_pair(model: str, precision: str, device: str, seconds: float, out: Path
             with ThreadPoolExecutor(2) as pool:
                 together = list(pool.map(lambda c: loop(c, b), contexts))
             for i in range(2):
-                rows.append({"context": "ab"[i], "batch": b, "alone_rows_per_s": round(alone[i], 1),
+                rows.append({"context": "ab"[i], "model": models[i], "batch": b,
+                             "alone_rows_per_s": round(alone[i], 1),
                              "together_rows_per_s": round(together[i], 1), "kept": round(together[i] / alone[i], 3)})
-            rows.append({"context": "sum", "batch": b, "alone_rows_per_s": round(sum(alone), 1),
+            rows.append({"context": "sum", "model": "", "batch": b, "alone_rows_per_s": round(sum(alone), 1),
                          "together_rows_per_s": round(sum(together), 1),
                          "kept": round(sum(together) / sum(alone), 3)})
             say(f"  (t) raw pair, batch {b}: alone {[round(a) for a in alone]}, together {[round(t) for t in together]}"
@@ -144,6 +148,6 @@ def part_pair(model: str, precision: str, device: str, seconds: float, out: Path
             ctx.release()
         for e in engines:
             e.release()
-    finish(out, "scale_t_raw_pair", f"(t) the device alone: two {model} contexts, each on its own thread, batches "
-           "back to back, alone then together", rows)
+    finish(out, "scale_t_raw_pair", f"(t) the device alone: {' and '.join(models)} contexts, each on its own "
+           "thread, batches back to back, alone then together", rows)
     return rows

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.peers import CLK_TCK, cpu_delta, tree_cpu_seconds
+from bench.peers import cpu_delta, machine_busy_seconds, tree_cpu_seconds
 from bench.server import ServerProcess
 from bench.sweep.requests import build_request
 from bench.sweep.run import SweepConfig, run_sweep
@@ -23,14 +23,16 @@ from .common import SIZES, finish, images, line_plot, raw_at, say
 MiB = 1 << 20
 
 
-def model_entry(name: str, args, gpus: list[int] | None = None) -> dict:
-    """A resnet18 entry: ``args.instances`` contexts on each of ``gpus`` (default: GPU 0), the allowed batch sizes
-    and precision of the GPU issue (``allowed_batch_sizes``, ``precision``), a deep queue."""
-    group = {"count": args.instances, "kind": args.kind}
+def model_entry(name: str, args, gpus: list[int] | None = None, model: str | None = None,
+                instances: int | None = None) -> dict:
+    """A zoo entry (``model``, default ``args.model``: resnet18) served as ``name``: ``instances`` contexts
+    (default ``args.instances``) on each of ``gpus`` (default: GPU 0), the allowed batch sizes and precision of the
+    GPU issue (``allowed_batch_sizes``, ``precision``), a deep queue."""
+    group = {"count": instances or args.instances, "kind": args.kind}
     if args.kind == "KIND_GPU":
         group["gpus"] = gpus or [0]
-    entry = {"name": name, "path": f"zoo:{args.model}", "instance_group": [group], "max_batch_size": max(SIZES),
-             "allowed_batch_sizes": list(SIZES),
+    entry = {"name": name, "path": f"zoo:{model or args.model}", "instance_group": [group],
+             "max_batch_size": max(SIZES), "allowed_batch_sizes": list(SIZES),
              "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us,
                                   "default_queue_policy": {"max_queue_size": 16384}}}
     if args.kind == "KIND_GPU":
@@ -78,13 +80,6 @@ def batch_times(before: dict, after: dict, model: str) -> dict:
             "execute_ms_per_batch": round(delta("batcher_compute_infer_seconds_total") / batches * 1e3, 3),
             "queue_ms_per_request": round(delta("batcher_queue_duration_seconds_sum")
                                           / max(delta("batcher_queue_duration_seconds_count"), 1.0) * 1e3, 3)}
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of this machine spent not idle since boot (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
 
 
 def summary(row: dict, raw: list[dict], args, **keys) -> dict:
@@ -200,61 +195,87 @@ def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
     return rows
 
 
+def retention_pairs(args) -> list[tuple[str, str]]:
+    """(served name, zoo model) of part t's two models: ``--retention-models`` (two zoo names, e.g. the seed's
+    ``tiny_cnn,resnet18``), served under their own names, or by default two copies of ``--model`` served as ``a``
+    and ``b``."""
+    models = args.retention_models or [args.model, args.model]
+    if len(models) != 2:
+        raise ValueError(f"--retention-models takes two zoo models, got {models}")
+    return list(zip(("a", "b"), models)) if models[0] == models[1] else [(m, m) for m in models]
+
+
 def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
-    """(t) seed 002's retention: two copies of the model served together, ``--retention-clients`` clients each,
-    alone and then both at once; each keeps ``together / alone`` of its throughput, and the seed's ratio is the
-    sum together over the sum alone. Layouts (``--retention-layouts``): ``shared``, one server, both models in its
-    engine process; ``per_model``, one server with ``engine_processes: per_model`` (an engine process per model,
-    the front ends shared); ``per_model_mps``, the same under NVIDIA MPS (``server.cuda_mps``); ``separate``, a
-    server per model (its own engine process and half the front ends), both on the device. First the device alone
-    (:func:`bench.gpubench.raw.part_pair`): two contexts in one process."""
+    """(t) retention, seed 000's measure (two models served together keep 51.3 % of the sum of what each serves
+    alone, in one process, with 4 contexts per model and 4 concurrent requests per model): the two models of
+    :func:`retention_pairs`, ``--retention-instances`` contexts each, at each of ``--retention-clients``
+    closed-loop clients per model, alone and then both at once; each keeps ``together / alone`` of its
+    throughput, and the seed's ratio is the sum together over the sum alone.
+
+    Layouts (``--retention-layouts``): ``shared``, one server, both models in its engine process; ``per_model``,
+    one server with ``engine_processes: per_model`` (an engine process per model, the front ends shared);
+    ``per_model_mps``, the same under NVIDIA MPS (``server.cuda_mps``); ``separate``, a server per model (its own
+    engine process and half the front ends), both on the device. Each layout's server(s) start once and serve
+    every client count. First the device alone (:func:`bench.gpubench.raw.part_pair`): two contexts in one
+    process, the first model's."""
     from .raw import part_pair
 
-    part_pair(args.model, args.precision, args.device, max(args.raw_seconds, 0.02) * 2, out)
+    pairs = retention_pairs(args)
+    instances = args.retention_instances or args.instances
+    part_pair(pairs[0][1], args.precision, args.device, max(args.raw_seconds, 0.02) * 2, out,
+              models=[m for _, m in pairs])
     n = max(args.frontends)
     body, headers = binary_request()
-    names = ("a", "b")
+    names = [name for name, _ in pairs]
+    entries = {name: model_entry(name, args, model=m, instances=instances) for name, m in pairs}
     rows = []
     for layout in args.retention_layouts:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             if layout != "separate":
-                cfg = server_config([model_entry(name, args) for name in names], n, args,
+                cfg = server_config(list(entries.values()), n, args,
                                     engine_processes="per_device" if layout == "shared" else "per_model",
                                     cuda_mps=layout == "per_model_mps")
                 one = stack.enter_context(ServerProcess(cfg, Path(tmp), name="retention", timeout_s=600))
                 servers = {m: one for m in names}
             else:
                 servers = {m: stack.enter_context(ServerProcess(
-                    server_config([model_entry(m, args)], max(1, n // 2), args), Path(tmp), name=f"retention-{m}",
+                    server_config([entries[m]], max(1, n // 2), args), Path(tmp), name=f"retention-{m}",
                     timeout_s=600)) for m in names}
-            alone = {m: load(servers[m], m, body, headers, args.retention_clients, args) for m in names}
-            say(f"  (t) {layout}, alone: { {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
-            with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
-                together = dict(zip(names, pool.map(
-                    lambda m: load(servers[m], m, body, headers, args.retention_clients, args), names)))
-        part = []
-        for m in names:
-            a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
-            part.append({"layout": layout, "model": m, "clients": args.retention_clients,
-                         "frontends": max(1, n // 2) if layout == "separate" else n,
-                         "alone_qps": round(a, 1), "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
-                         "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
-                         "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2),
-                         "alone_execute_ms_per_batch": alone[m]["execute_ms_per_batch"],
-                         "together_execute_ms_per_batch": together[m]["execute_ms_per_batch"],
-                         "alone_p50_ms": round(float(alone[m]["p50_ms"]), 2),
-                         "together_p50_ms": round(float(together[m]["p50_ms"]), 2),
-                         "together_machine_busy_cores": f"{together[m]['machine_busy_cores']:.1f}/{os.cpu_count()}"})
-        total_alone = sum(r["alone_qps"] for r in part)
-        total_together = sum(r["together_qps"] for r in part)
-        part.append({"layout": layout, "model": "sum (seed's ratio)", "clients": args.retention_clients,
-                     "frontends": part[0]["frontends"], "alone_qps": round(total_alone, 1),
-                     "together_qps": round(total_together, 1),
-                     "kept": round(total_together / total_alone, 3) if total_alone else None})
-        say(f"  (t) {layout}: kept {[r['kept'] for r in part]}")
-        rows += part
+            for clients in args.retention_clients:
+                rows += retention_rows(layout, servers, names, clients, instances,
+                                       max(1, n // 2) if layout == "separate" else n, body, headers, args)
     finish(out, "scale_t_retention", "(t) retention: two models served together against alone", rows)
     return rows
+
+
+def retention_rows(layout: str, servers: dict, names: list[str], clients: int, instances: int, frontends: int,
+                   body: bytes, headers: dict[str, str], args) -> list[dict]:
+    """One layout at one client count: each model alone, then both at once; a row per model and the sum."""
+    alone = {m: load(servers[m], m, body, headers, clients, args) for m in names}
+    say(f"  (t) {layout}, {clients} clients, alone: "
+        f"{ {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
+    with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
+        together = dict(zip(names, pool.map(lambda m: load(servers[m], m, body, headers, clients, args), names)))
+    part = []
+    for m in names:
+        a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
+        part.append({"layout": layout, "model": m, "clients": clients, "instances": instances,
+                     "frontends": frontends,
+                     "alone_qps": round(a, 1), "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
+                     "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
+                     "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2),
+                     "alone_execute_ms_per_batch": alone[m]["execute_ms_per_batch"],
+                     "together_execute_ms_per_batch": together[m]["execute_ms_per_batch"],
+                     "alone_p50_ms": round(float(alone[m]["p50_ms"]), 2),
+                     "together_p50_ms": round(float(together[m]["p50_ms"]), 2),
+                     "together_machine_busy_cores": f"{together[m]['machine_busy_cores']:.1f}/{os.cpu_count()}"})
+    total_alone = sum(float(alone[m]["achieved_qps"]) for m in names)
+    total_together = sum(float(together[m]["achieved_qps"]) for m in names)
+    part.append({"layout": layout, "model": "sum (seed's ratio)", "clients": clients, "instances": instances,
+                 "frontends": frontends, "alone_qps": round(total_alone, 1), "together_qps": round(total_together, 1),
+                 "kept": round(total_together / total_alone, 3) if total_alone else None})
+    say(f"  (t) {layout}, {clients} clients: kept {[r['kept'] for r in part]}")
+    return part
 
 
 def part_gpus(raw: list[dict], args, out: Path) -> list[dict]:

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
     g.add_argument("--warmup", type=float, default=1.0,
                    help="seconds at the same load before each step's window, not measured (default: 1)")
+    g.add_argument("--generator", choices=["python", "h2load"], default="python",
+                   help="who sends: this package's drivers (default) or nghttp2's h2load, a native load generator "
+                        "(apt install nghttp2-client; constant arrivals, one process; see bench/sweep/h2load.py)")
     g.add_argument("--processes", type=int, default=1,
                    help="client processes sharing the load, so the client is not the bottleneck (default: 1)")
     g.add_argument("--max-inflight", type=int, default=512,
@@ -154,6 +157,16 @@ def main(args: argparse.Namespace) -> int:
             return fail("--duration must be > 0, --warmup >= 0, --processes >= 1, --max-inflight >= 1")
         if args.processes > args.max_inflight and args.mode == "open":
             return fail("--max-inflight must be at least --processes")
+        if args.generator == "h2load":
+            import shutil
+
+            from bench.sweep.h2load import INSTALL_HINT
+
+            if args.arrivals != "constant" or args.processes > 1:
+                return fail("--generator h2load sends constant arrivals from one process "
+                            "(no --arrivals poisson, no --processes)")
+            if shutil.which("h2load") is None:
+                return fail(INSTALL_HINT)
         shapes: dict[str | None, list[int]] = {}
         for s in args.shape:
             name, dims = parse_shape(s)
@@ -183,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         url=base, model=args.model, mode=args.mode, rates=rates, concurrency=conc, duration=args.duration,
         warmup=args.warmup, arrivals=args.arrivals, processes=args.processes, max_inflight=args.max_inflight,
         max_lag_s=args.max_send_lag_ms / 1e3, client_timeout_s=args.client_timeout, metrics_url=metrics_url,
-        version=args.model_version, seed=args.seed, progress=not args.no_progress,
+        version=args.model_version, seed=args.seed, progress=not args.no_progress, generator=args.generator,
     )
     desc = ", ".join(f"{n} {d} {list(t.shape)}" for n, d, t in tensors)
     print(f"{args.model} at {base}: {desc}, {'JSON' if args.json else 'binary'}, {len(body)} B/request, "

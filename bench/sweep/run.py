@@ -34,6 +34,7 @@ class SweepConfig:
     version: str | None = None
     seed: int = 0
     progress: bool = True
+    generator: str = "python"  # or "h2load": bench.sweep.h2load (constant arrivals, one client process)
 
 
 async def _scrape(session, url: str | None) -> str | None:
@@ -64,7 +65,9 @@ def _row(cfg: SweepConfig, k: int, level: float, s: Samples, before: tuple[str |
     open_loop = cfg.mode == "open"
     (before_text, before_t), (after_text, after_t) = before, after
     return {"step": k, "mode": cfg.mode, "concurrency": None if open_loop else int(level),
-            "scheduled_qps": s.status.size / cfg.duration if open_loop else None,
+            # h2load sends late rather than not at all: what was offered is the rate itself
+            "scheduled_qps": (level if cfg.generator == "h2load" else s.status.size / cfg.duration)
+            if open_loop else None,
             "duration_s": cfg.duration,
             **summarize(s.latency, s.status, measured_wall(cfg.duration, s.done, cfg.warmup),
                         level if open_loop else None, send_lags=s.send_lag if open_loop else None),
@@ -84,17 +87,23 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as meta_session:
         for k, level in enumerate(steps):
             start_wall = time.time() + (0.3 if pool is not None else 0.02)
-            jobs = _jobs(cfg, k, level, url, body, headers, start_wall)
             if bar is not None:
                 desc = f"{level:g} req/s" if cfg.mode == "open" else f"{int(level)} clients"
                 bar.set_description(f"step {k + 1}/{len(steps)}: {desc}")
 
-            async def scrape_at_window_start(at: float = start_wall + cfg.warmup) -> tuple[str | None, float]:
+            async def scrape_at_window_start(at: float) -> tuple[str | None, float]:
                 await asyncio.sleep(max(0.0, at - time.time()))
                 return await _scrape(meta_session, cfg.metrics_url), time.time()
 
-            before_task = asyncio.create_task(scrape_at_window_start())
-            parts = await run_jobs(jobs, pool)
+            if cfg.generator == "h2load":
+                from bench.sweep.h2load import run_step
+
+                before_task = asyncio.create_task(scrape_at_window_start(time.time() + cfg.warmup))
+                parts = [(await run_step(url, body, headers, cfg.mode, level, cfg.warmup, cfg.duration,
+                                         cfg.client_timeout_s, cfg.max_inflight))[0]]
+            else:
+                before_task = asyncio.create_task(scrape_at_window_start(start_wall + cfg.warmup))
+                parts = await run_jobs(_jobs(cfg, k, level, url, body, headers, start_wall), pool)
             before = await before_task
             after = await _scrape(meta_session, cfg.metrics_url), time.time()
             row = _row(cfg, k, level, Samples.merge(parts).window(cfg.warmup, cfg.warmup + cfg.duration), before,
@@ -147,5 +156,9 @@ def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list
     (:data:`bench.sweep.report.COLUMNS`), appended to ``rows`` as each step ends, after which ``on_step(rows)``
     is called (so an interrupted sweep keeps, and can have saved, the finished steps)."""
     rows = [] if rows is None else rows
-    with client_processes(cfg.processes) as pool:
+    if cfg.generator not in ("python", "h2load"):
+        raise ValueError(f"generator must be python or h2load, got {cfg.generator!r}")
+    if cfg.generator == "h2load" and (cfg.arrivals != "constant" or cfg.processes > 1):
+        raise ValueError("h2load sends constant arrivals from one process: no --arrivals poisson, no --processes")
+    with client_processes(cfg.processes if cfg.generator == "python" else 1) as pool:
         return asyncio.run(_sweep_with_progress(cfg, body, headers, pool, rows, on_step))

@@ -53,16 +53,20 @@ def test_the_switch_interval_part_sweeps_and_hands_the_best_value_to_later_parts
 
 
 def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
-    """Part t on the CPU: the device alone (two contexts, no HTTP) at each size, then per layout each model alone
-    and together with its kept share and the seed's ratio; ``per_model`` runs an engine process per model."""
+    """Part t on the CPU: the device alone (two contexts, no HTTP) at each size, then per layout and client count
+    each model alone and together with its kept share and the seed's ratio; ``per_model`` runs an engine process
+    per model; ``--retention-models`` serves two different zoo models under their own names."""
     out = tmp_path / "scale"
-    assert dry_run(out, "r,t", "--retention-clients", "2", "--retention-layouts", "per_model", duration="0.4",
+    assert dry_run(out, "r,t", "--retention-clients", "1,2", "--retention-layouts", "per_model",
+                   "--retention-models", "tiny_cnn,resnet18", "--retention-instances", "2", duration="0.4",
                    raw_seconds="0.01") == 0
     pair = read_csv(out / "scale_t_raw_pair.csv")
-    assert [(r["context"], r["batch"]) for r in pair] == [(c, b) for b in ("4", "8", "32") for c in ("a", "b", "sum")]
+    assert [(r["context"], r["model"], r["batch"]) for r in pair] == [
+        (c, m, b) for b in ("4", "8", "32") for c, m in (("a", "tiny_cnn"), ("b", "resnet18"), ("sum", ""))]
     rows = read_csv(out / "scale_t_retention.csv")
-    assert [(r["layout"], r["model"]) for r in rows] == [("per_model", "a"), ("per_model", "b"),
-                                                         ("per_model", "sum (seed's ratio)")]
+    assert [(r["layout"], r["clients"], r["model"]) for r in rows] == [
+        ("per_model", c, m) for c in ("1", "2") for m in ("tiny_cnn", "resnet18", "sum (seed's ratio)")]
+    assert {r["instances"] for r in rows} == {"2"}
     for r in rows:
         assert float(r["alone_qps"]) > 0 and float(r["together_qps"]) > 0
         # kept is computed before the rates are rounded to 0.1 for the table

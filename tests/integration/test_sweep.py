@@ -3,6 +3,7 @@ toolkit's parts are tested in-process in tests/unit/test_sweep_parts.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.server import free_port
+from bench.sweep.drivers import TRANSPORT_ERROR
 from bench.sweep.report import COLUMNS, NO_MATPLOTLIB, read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,3 +71,45 @@ def test_sweep_without_matplotlib_writes_csv_and_json_and_exits_0(start_server, 
     assert len(json.loads((out / "sweep.json").read_text())["rows"]) == 2
     assert not (out / "sweep.png").exists()
     assert "clients" in proc.stdout and "p99 ms" in proc.stdout
+
+
+def test_an_h2load_sweep_sends_the_offered_rate_and_the_clients_to_a_real_server(h2load, start_server,
+                                                                                  tmp_path):
+    """``--generator h2load``: an open-loop step has the offered rate's requests in its window, all answered
+    200, and batches counted from the server's metrics; a closed-loop step's requests all answered."""
+    server = start_server({"models": [TINY]})
+    out = tmp_path / "open"
+    proc = _sweep("--url", server.base, "--model", "tiny_cnn", "--rates", "20,40", "--duration", "1.5", "--warmup",
+                  "0.3", "--generator", "h2load", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = read_csv(out / "sweep.csv")
+    assert [float(r["offered_qps"]) for r in rows] == [20.0, 40.0]
+    for r in rows:
+        offered = float(r["offered_qps"])
+        # h2load starts up to a few ms after the step's clock: one request more or less in the window
+        assert abs(int(r["requests"]) - offered * 1.5) <= 1, r
+        assert int(r["ok"]) == int(r["requests"]) and int(r["errors"]) == 0 and r["errors_by_status"] == "", r
+        assert float(r["scheduled_qps"]) == offered, r
+        assert float(r["avg_batch_size"]) >= 1.0, r
+        assert 0 < float(r["p50_ms"]) <= float(r["p99_ms"]) <= float(r["max_ms"]), r
+    assert json.loads((out / "sweep.json").read_text())["settings"]["generator"] == "h2load"
+    out = tmp_path / "closed"
+    proc = _sweep("--url", server.base, "--model", "tiny_cnn", "--mode", "closed", "--concurrency", "2",
+                  "--duration", "1", "--warmup", "0.2", "--generator", "h2load", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    (row,) = read_csv(out / "sweep.csv")
+    assert int(row["ok"]) == int(row["requests"]) > 0 and int(row["errors"]) == 0, row
+
+
+def test_h2load_counts_requests_to_a_port_nobody_listens_on_as_transport_errors(h2load):
+    from bench.sweep.h2load import run_step
+
+    url = f"http://127.0.0.1:{free_port()}/v2/models/m/infer"
+    samples, _ = asyncio.run(run_step(url, b"{}", {}, "open", 20, 0.0, 1.0, 2.0))
+    assert samples.status.tolist() == [TRANSPORT_ERROR] * 20
+
+
+def test_the_h2load_generator_refuses_what_it_cannot_do(h2load, tmp_path):
+    proc = _sweep("--url", "127.0.0.1:1", "--model", "m", "--rates", "10", "--arrivals", "poisson",
+                  "--generator", "h2load", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "constant arrivals from one process" in proc.stderr
