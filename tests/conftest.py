@@ -25,15 +25,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def h2load() -> str:
-    """The h2load binary (``apt-get install nghttp2-client``); the test is skipped without it, and fails instead
-    with BATCHER_REQUIRE_H2LOAD=1 (CI installs it and sets that, so these tests cannot pass by being skipped)."""
-    found = shutil.which("h2load")
-    if found is None:
-        why = "h2load is not installed (apt-get install nghttp2-client)"
-        if os.environ.get("BATCHER_REQUIRE_H2LOAD") == "1":
-            pytest.fail(why + " (BATCHER_REQUIRE_H2LOAD=1)")
-        pytest.skip(why)
-    return found
+    """The h2load binary (``apt-get install nghttp2-client``), else skip (fail with BATCHER_REQUIRE_H2LOAD=1)."""
+    from helpers import require_program
+
+    return require_program(shutil.which("h2load"), "h2load is not installed (apt-get install nghttp2-client)",
+                           "BATCHER_REQUIRE_H2LOAD")
 
 
 @pytest.fixture(scope="session")

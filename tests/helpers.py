@@ -1,22 +1,36 @@
 """Helpers for tests: in-process ONNX Runtime reference runs of zoo models, request bodies for aiohttp from the
 load toolkit's one KServe v2 request builder (:func:`bench.sweep.requests.build_request`), and waiting for a state
-a server reports (:func:`until`, :func:`dispatched`, :func:`queued`)."""
+a server reports (:func:`until`, :func:`dispatched`, :func:`queued`), and programs outside Python that some tests
+need (:func:`require_program`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import http.client
+import os
 from collections.abc import Callable, Iterator
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
 from bench.string_models import string_models  # noqa: F401 - the tests' string models
 from bench.sweep.requests import build_request
 from engines.datatypes import from_numpy
 from engines.zoo import resolve
+
+
+def require_program(path: str | None, why: str, required_by: str) -> str:
+    """``path`` of a program a test needs; without it (None) the test is skipped with ``why``, or fails where the
+    environment variable ``required_by`` is ``1`` (CI installs the program and sets it, so that the test cannot pass
+    by being skipped)."""
+    if path is None:
+        if os.environ.get(required_by) == "1":
+            pytest.fail(f"{why} ({required_by}=1)")
+        pytest.skip(why)
+    return path
 
 
 def http_post(server, body, headers: dict | None = None, path: str = "/v2/models/f2str/infer"):

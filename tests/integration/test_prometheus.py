@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import infer_kwargs
+from helpers import infer_kwargs, require_program
 
 from bench.server import Subprocess, free_port
 
@@ -207,14 +207,9 @@ def _binary(name: str) -> str | None:
 
 
 def _require(name: str) -> str:
-    path = _binary(name)
-    if path is None:
-        why = (f"{name} not found on PATH or in /usr/bin: install Prometheus (Debian/Ubuntu: apt-get install -y "
-               f"prometheus) or set BATCHER_{name.upper()} to the binary")
-        if os.environ.get("BATCHER_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail(why + " (BATCHER_REQUIRE_PROMETHEUS=1)")
-        pytest.skip(why)
-    return path
+    why = (f"{name} not found on PATH or in /usr/bin: install Prometheus (Debian/Ubuntu: apt-get install -y "
+           f"prometheus) or set BATCHER_{name.upper()} to the binary")
+    return require_program(_binary(name), why, "BATCHER_REQUIRE_PROMETHEUS")
 
 
 def test_promtool_checks_rules_and_config():

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import require_program
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "trt-batcher"
@@ -376,12 +378,8 @@ def _promtool() -> str:
     explicit = os.environ.get("BATCHER_PROMTOOL")
     path = explicit or shutil.which("promtool") or ("/usr/bin/promtool" if os.access("/usr/bin/promtool", os.X_OK)
                                                     else None)
-    if path is None:
-        why = "promtool not found: apt-get install -y prometheus, or set BATCHER_PROMTOOL"
-        if os.environ.get("BATCHER_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail(why + " (BATCHER_REQUIRE_PROMETHEUS=1)")
-        pytest.skip(why)
-    return path
+    return require_program(path, "promtool not found: apt-get install -y prometheus, or set BATCHER_PROMTOOL",
+                           "BATCHER_REQUIRE_PROMETHEUS")
 
 
 def test_scaling_rules_pass_promtool_check_and_unit_tests():
