@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="(t): closed-loop clients per model, each a step (default 4,16; seed 000: 4)")
     p.add_argument("--retention-instances", type=int, default=None,
                    help="(t): contexts per model (default: --instances; seed 000: 4)")
+    p.add_argument("--retention-rounds", type=int, default=1,
+                   help="(t): rounds of alone-then-together at each client count; rows give the median round "
+                        "(default: 1)")
     p.add_argument("--retention-models", type=comma_list(str), default=None,
                    help="(t): the two zoo models (default: two copies of --model; seed 000: tiny_cnn,resnet18)")
     p.add_argument("--retention-layouts", type=comma_list(layout), default=["shared", "per_model"],

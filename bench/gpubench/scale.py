@@ -248,33 +248,55 @@ def part_retention(raw: list[dict], args, out: Path) -> list[dict]:
     return rows
 
 
+def qps(row: dict) -> float:
+    """A load step's achieved req/s."""
+    return float(row["achieved_qps"])
+
+
 def retention_rows(layout: str, servers: dict, names: list[str], clients: int, instances: int, frontends: int,
                    body: bytes, headers: dict[str, str], args) -> list[dict]:
-    """One layout at one client count: each model alone, then both at once; a row per model and the sum."""
-    alone = {m: load(servers[m], m, body, headers, clients, args) for m in names}
-    say(f"  (t) {layout}, {clients} clients, alone: "
-        f"{ {m: round(float(r['achieved_qps']), 1) for m, r in alone.items()} }")
-    with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
-        together = dict(zip(names, pool.map(lambda m: load(servers[m], m, body, headers, clients, args), names)))
+    """One layout at one client count, ``--retention-rounds`` rounds of: each model alone, then both at once.
+    What a model keeps is its together / alone of one round (the two steps next to each other in time, so that the
+    machine's drift over a run cancels), and a row reports the median round of each model and of the sum, with
+    the lowest and highest kept of the rounds."""
+    rounds: list[tuple[dict, dict]] = []
+    for k in range(args.retention_rounds):
+        alone = {m: load(servers[m], m, body, headers, clients, args) for m in names}
+        with ThreadPoolExecutor(len(names)) as pool:  # both loads at once
+            together = dict(zip(names, pool.map(lambda m: load(servers[m], m, body, headers, clients, args),
+                                                names)))
+        rounds.append((alone, together))
+        say(f"  (t) {layout}, {clients} clients, round {k + 1}: alone { {m: round(qps(alone[m]), 1) for m in names} }"
+            f", together { {m: round(qps(together[m]), 1) for m in names} }")
+
+    def median_round(kept: list[float]) -> int:
+        return sorted(range(len(kept)), key=lambda i: kept[i])[(len(kept) - 1) // 2]
+
+    def spread(kept: list[float]) -> dict:
+        return {"rounds": len(kept), "kept_min": round(min(kept), 3), "kept_max": round(max(kept), 3)}
+
     part = []
     for m in names:
-        a, t = float(alone[m]["achieved_qps"]), float(together[m]["achieved_qps"])
+        kept = [qps(t[m]) / qps(a[m]) if qps(a[m]) else float("nan") for a, t in rounds]
+        alone, together = (r[m] for r in rounds[median_round(kept)])
         part.append({"layout": layout, "model": m, "clients": clients, "instances": instances,
-                     "frontends": frontends,
-                     "alone_qps": round(a, 1), "together_qps": round(t, 1), "kept": round(t / a, 3) if a else None,
-                     "alone_batch": round(float(alone[m].get("avg_batch_size") or 0.0), 2),
-                     "together_batch": round(float(together[m].get("avg_batch_size") or 0.0), 2),
-                     "alone_execute_ms_per_batch": alone[m]["execute_ms_per_batch"],
-                     "together_execute_ms_per_batch": together[m]["execute_ms_per_batch"],
-                     "alone_p50_ms": round(float(alone[m]["p50_ms"]), 2),
-                     "together_p50_ms": round(float(together[m]["p50_ms"]), 2),
-                     "together_machine_busy_cores": f"{together[m]['machine_busy_cores']:.1f}/{os.cpu_count()}"})
-    total_alone = sum(float(alone[m]["achieved_qps"]) for m in names)
-    total_together = sum(float(together[m]["achieved_qps"]) for m in names)
+                     "frontends": frontends, "alone_qps": round(qps(alone), 1),
+                     "together_qps": round(qps(together), 1), "kept": round(kept[median_round(kept)], 3),
+                     **spread(kept),
+                     "alone_batch": round(float(alone.get("avg_batch_size") or 0.0), 2),
+                     "together_batch": round(float(together.get("avg_batch_size") or 0.0), 2),
+                     "alone_execute_ms_per_batch": alone["execute_ms_per_batch"],
+                     "together_execute_ms_per_batch": together["execute_ms_per_batch"],
+                     "alone_p50_ms": round(float(alone["p50_ms"]), 2),
+                     "together_p50_ms": round(float(together["p50_ms"]), 2),
+                     "together_machine_busy_cores": f"{together['machine_busy_cores']:.1f}/{os.cpu_count()}"})
+    sums = [(sum(qps(a[m]) for m in names), sum(qps(t[m]) for m in names)) for a, t in rounds]
+    kept = [t / a if a else float("nan") for a, t in sums]
+    total_alone, total_together = sums[median_round(kept)]
     part.append({"layout": layout, "model": "sum (seed's ratio)", "clients": clients, "instances": instances,
                  "frontends": frontends, "alone_qps": round(total_alone, 1), "together_qps": round(total_together, 1),
-                 "kept": round(total_together / total_alone, 3) if total_alone else None})
-    say(f"  (t) {layout}, {clients} clients: kept {[r['kept'] for r in part]}")
+                 "kept": round(kept[median_round(kept)], 3), **spread(kept)})
+    say(f"  (t) {layout}, {clients} clients: kept (median of {len(rounds)} rounds) {[r['kept'] for r in part]}")
     return part
 
 

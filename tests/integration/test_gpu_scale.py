@@ -58,7 +58,8 @@ def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
     per model; ``--retention-models`` serves two different zoo models under their own names."""
     out = tmp_path / "scale"
     assert dry_run(out, "r,t", "--retention-clients", "1,2", "--retention-layouts", "per_model",
-                   "--retention-models", "tiny_cnn,resnet18", "--retention-instances", "2", duration="0.4",
+                   "--retention-models", "tiny_cnn,resnet18", "--retention-instances", "2", "--retention-rounds", "3",
+                   duration="0.3",
                    raw_seconds="0.01") == 0
     pair = read_csv(out / "scale_t_raw_pair.csv")
     assert [(r["context"], r["model"], r["batch"]) for r in pair] == [
@@ -66,8 +67,10 @@ def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
     rows = read_csv(out / "scale_t_retention.csv")
     assert [(r["layout"], r["clients"], r["model"]) for r in rows] == [
         ("per_model", c, m) for c in ("1", "2") for m in ("tiny_cnn", "resnet18", "sum (seed's ratio)")]
-    assert {r["instances"] for r in rows} == {"2"}
+    assert {r["instances"] for r in rows} == {"2"} and {r["rounds"] for r in rows} == {"3"}
     for r in rows:
         assert float(r["alone_qps"]) > 0 and float(r["together_qps"]) > 0
-        # kept is computed before the rates are rounded to 0.1 for the table
+        # the row is the median round: its kept (computed before the rates are rounded to 0.1 for the table) lies
+        # between the lowest and the highest round's
         assert float(r["kept"]) == pytest.approx(float(r["together_qps"]) / float(r["alone_qps"]), rel=0.02, abs=0.002)
+        assert float(r["kept_min"]) <= float(r["kept"]) <= float(r["kept_max"])
