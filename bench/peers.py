@@ -314,7 +314,11 @@ def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str
     timer.cancel()
     cpu_after = tree_cpu_seconds(server.pid)
     row = dict(rows[0])
-    sent = (warmup + duration) / duration * row["requests"]  # the window's requests, scaled to the whole step
+    # the window's requests, scaled to the whole step (an h2load closed-loop step runs a tail past its window)
+    from bench.sweep.h2load import CLOSED_TAIL_S
+
+    span = warmup + duration + (CLOSED_TAIL_S if generator == "h2load" and mode == "closed" else 0.0)
+    sent = span / duration * row["requests"]
     row["client_cpu_ms_per_req"] = (client_cpu_seconds() - client0) / sent * 1e3 if sent else float("nan")
     row["generator"] = generator
     if "start" in marks and row["ok"]:
@@ -526,7 +530,8 @@ def measure_bound(mlp_path: Path, workdir: Path, args: argparse.Namespace) -> li
                 per_thread = {k: (t1[k] - t0[k]) / wall for k in t1 if k in t0}
                 busiest = max(per_thread.values(), default=float("nan"))
                 qps = row["achieved_qps"]
-                out = {"server": server.name, "encoding": enc, "clients": args.bound_clients,
+                out = {"server": server.name, "encoding": enc, "generator": "h2load",
+                       "clients": args.bound_clients,
                        "request_bytes": len(body), "qps": qps, "errors": row["errors"], "p99_ms": row["p99_ms"],
                        "busiest_thread_cores": busiest, "server_threads_cores": sum(per_thread.values()),
                        "threads": sum(1 for v in per_thread.values() if v > 0.01),
@@ -554,9 +559,9 @@ FRONTEND_COLUMNS = ["server", "load", "rounds", "requests", "ok", "errors", "req
                     "cpu_s", "cpu_us_per_req", "cpu_us_per_req_min", "cpu_us_per_req_max", "cpu_us_per_req_engine",
                     "cpu_us_per_req_frontend", "cpu_cores", "p50_ms",
                     "p99_ms", "cpu_vs_bare", "cpu_vs_ours"]
-BOUND_COLUMNS = ["server", "encoding", "clients", "request_bytes", "qps", "errors", "p99_ms", "busiest_thread_cores",
-                 "busiest_thread_us_per_req", "server_threads_cores", "threads", "machine_busy_cores", "machine_cores",
-                 "client_cpu_ms_per_req"]
+BOUND_COLUMNS = ["server", "encoding", "generator", "clients", "request_bytes", "qps", "errors", "p99_ms",
+                 "busiest_thread_cores", "busiest_thread_us_per_req", "server_threads_cores", "threads",
+                 "machine_busy_cores", "machine_cores", "client_cpu_ms_per_req"]
 STEP_COLUMNS = ["server", "encoding", "mode", "offered_qps", "concurrency", "achieved_qps", "requests", "ok",
                 "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "cpu_ms_per_req", "cpu_cores",
                 "errors_by_status", "client_overload", "peak_inflight", "send_lag_p99_ms", "duration_s",
@@ -687,8 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pytriton-python", default=None,
                    help=f"Python with nvidia-pytriton and onnxruntime (default: this one if it has pytriton, else "
                         f"{DEFAULT_PYTRITON_VENV})")
-    g.add_argument("--bound-clients", type=int, default=16,
-                   help="bound: h2load's closed-loop clients (default: 16)")
+    g.add_argument("--bound-clients", type=int, default=64,
+                   help="bound: h2load's closed-loop clients, enough that the server always has work (default: 64)")
     g = p.add_argument_group("front end")
     g.add_argument("--frontend-servers", type=comma_list(str), default=["ours", "bare"],
                    help="servers of the CPU test: ours, bare, bare-uvloop, nobatch (default: ours,bare)")
@@ -706,11 +711,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    bad = [s for s in args.servers if s not in SERVERS] + [e for e in args.encodings if e not in ("json", "binary")]
-    bad += [s for s in args.frontend_servers if s not in ("ours", "bare", "bare-uvloop", "nobatch")]
-    bad += [s for s in args.sections if s not in ("peers", "frontend", "bound")]
-    if bad:
-        print(f"error: unknown value(s) {bad}", file=sys.stderr)
+    choices = {"--servers": (args.servers, SERVERS), "--encodings": (args.encodings, ("json", "binary")),
+               "--frontend-servers": (args.frontend_servers, ("ours", "bare", "bare-uvloop", "nobatch")),
+               "--sections": (args.sections, ("peers", "frontend", "bound"))}
+    for option, (given, allowed) in choices.items():
+        if bad := [v for v in given if v not in allowed]:
+            print(f"error: {option}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})", file=sys.stderr)
+            return 2
+    if args.duration <= 0 or args.warmup < 0 or args.bound_clients < 1 or args.processes < 1:
+        print("error: --duration must be > 0, --warmup >= 0, --bound-clients and --processes >= 1", file=sys.stderr)
         return 2
     if (args.generator == "h2load" and "peers" in args.sections) or "bound" in args.sections:
         import shutil

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -86,7 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds at the same load before each step's window, not measured (default: 1)")
     g.add_argument("--generator", choices=["python", "h2load"], default="python",
                    help="who sends: this package's drivers (default) or nghttp2's h2load, a native load generator "
-                        "(apt install nghttp2-client; constant arrivals, one process; see bench/sweep/h2load.py)")
+                        "(apt install nghttp2-client; HTTP/1.1, constant arrivals, one process). With h2load, "
+                        "--max-inflight caps an open-loop step's connections, open-loop latency counts from each "
+                        "send's due time, and --max-send-lag-ms and --client-timeout count late sends and answers "
+                        "as client-overload and client-timeout (bench/sweep/h2load.py)")
     g.add_argument("--processes", type=int, default=1,
                    help="client processes sharing the load, so the client is not the bottleneck (default: 1)")
     g.add_argument("--max-inflight", type=int, default=512,
@@ -181,7 +185,14 @@ def main(args: argparse.Namespace) -> int:
     meta_error = ""
     try:
         meta = json.loads(http_get(base + model_path(args.model, args.model_version)))
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except urllib.error.HTTPError as e:  # the server answered: no such model (or version), or no metadata
+        meta_error = f" (GET {model_path(args.model, args.model_version)}: {e})"
+        if e.code == 404:
+            return fail(f"the server at {base} has no model {args.model!r}"
+                        + (f" version {args.model_version}" if args.model_version else "") + meta_error)
+    except (urllib.error.URLError, OSError) as e:  # nobody answered
+        return fail(f"cannot reach a server at {base} (GET {model_path(args.model, args.model_version)}: {e})")
+    except ValueError as e:
         meta_error = f" (GET {model_path(args.model, args.model_version)}: {e})"
     try:
         specs = resolve_inputs(meta, input_name=args.input_name, datatype=args.datatype, shapes=shapes,
@@ -206,21 +217,36 @@ def main(args: argparse.Namespace) -> int:
             "request_bytes": len(body)}
     rows: list[dict] = []
     interrupted = False
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the finished steps are kept, h2load and client processes end
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         run_sweep(cfg, body, headers, rows, on_step=lambda done: report.save_sweep(args.out, done, info))
+    except RuntimeError as e:  # h2load failed to run
+        return fail(str(e))
     except KeyboardInterrupt:
         print(f"\ninterrupted: keeping the {len(rows)} finished step(s)", file=sys.stderr)
         interrupted = True
         if not rows:
             return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
     title = args.title or (f"{args.model}: {args.mode} loop" + (f", {args.arrivals}" if args.mode == "open" else "")
-                           + f", {args.duration:g} s/step, {'JSON' if args.json else 'binary'}")
+                           + f", {args.duration:g} s/step, {'JSON' if args.json else 'binary'}"
+                           + (", h2load" if args.generator == "h2load" else ""))
     written = report.save_sweep(args.out, rows, info)
     png = report.plot_sweep(rows, args.out / "sweep.png", title)
     print(report.format_table(rows))
     print(f"wrote {', '.join(str(p) for p in [written[0], *([png] if png else []), written[1]])}", file=sys.stderr)
-    return 130 if interrupted else 0
+    if interrupted:
+        return 130
+    if not any(r["ok"] for r in rows):  # a misconfiguration, not a measurement: say so in the exit status
+        print(f"error: no request was answered 200 in any step ({rows[0]['errors_by_status'] or 'no requests'})",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 # ------------------------------------------------------------------------------------- for the other benches

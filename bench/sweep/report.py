@@ -44,7 +44,8 @@ COLUMN_DOCS = {
     "avg_batch_size": "delta inference_count / delta execution_count from /metrics; blank if unavailable",
     "errors_by_status": "e.g. '503:12 504:3 client-overload:5' (space separated, by count)",
     "client_overload": "requests the client could not send in time (cap or lag): raise --processes",
-    "peak_inflight": "most requests outstanding at once (open: summed over client processes; closed: clients)",
+    "peak_inflight": "most requests outstanding at once (open: summed over client processes; closed: clients; "
+                     "h2load: from its log)",
     "send_lag_p99_ms": "p99 of (actual send - scheduled send) in open loop; blank in closed loop",
     "duration_s": "window length",
     "avg_queue_depth": "requests waiting in the model's queue, time average over the window (Little's law: delta "

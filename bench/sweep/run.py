@@ -65,9 +65,7 @@ def _row(cfg: SweepConfig, k: int, level: float, s: Samples, before: tuple[str |
     open_loop = cfg.mode == "open"
     (before_text, before_t), (after_text, after_t) = before, after
     return {"step": k, "mode": cfg.mode, "concurrency": None if open_loop else int(level),
-            # h2load sends late rather than not at all: what was offered is the rate itself
-            "scheduled_qps": (level if cfg.generator == "h2load" else s.status.size / cfg.duration)
-            if open_loop else None,
+            "scheduled_qps": s.status.size / cfg.duration if open_loop else None,
             "duration_s": cfg.duration,
             **summarize(s.latency, s.status, measured_wall(cfg.duration, s.done, cfg.warmup),
                         level if open_loop else None, send_lags=s.send_lag if open_loop else None),
@@ -100,7 +98,7 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
 
                 before_task = asyncio.create_task(scrape_at_window_start(time.time() + cfg.warmup))
                 parts = [(await run_step(url, body, headers, cfg.mode, level, cfg.warmup, cfg.duration,
-                                         cfg.client_timeout_s, cfg.max_inflight))[0]]
+                                         cfg.client_timeout_s, cfg.max_inflight, cfg.max_lag_s))[0]]
             else:
                 before_task = asyncio.create_task(scrape_at_window_start(start_wall + cfg.warmup))
                 parts = await run_jobs(_jobs(cfg, k, level, url, body, headers, start_wall), pool)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import sys
 import time
+import urllib.error
 
 import numpy as np
 import orjson
@@ -407,10 +408,10 @@ def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib
             seen_on_disk.append(len(report.read_csv(out / "sweep.csv")))
         return rows
 
-    def no_server(url, timeout=10.0):
-        raise OSError(f"no server in this test ({url})")
+    def no_metadata(url, timeout=10.0):  # a server without the metadata endpoint
+        raise urllib.error.HTTPError(url, 501, "Not Implemented", None, None)
 
-    monkeypatch.setattr(cli, "http_get", no_server)  # no model metadata: the input comes from the options
+    monkeypatch.setattr(cli, "http_get", no_metadata)  # no model metadata: the input comes from the options
     monkeypatch.setattr(cli, "run_sweep", fake_run_sweep)
     code = main(["sweep", "--url", "127.0.0.1:9", "--model", "m", "--input-name", "x", "--datatype", "FP32",
                  "--shape", "1,4", "--rates", "3,6", "--duration", "1", "--out", str(out), "--no-progress"])
@@ -423,6 +424,43 @@ def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib
     assert not (out / "sweep.png").exists()
     assert [line for line in captured.err.splitlines() if "matplotlib" in line] == [report.NO_MATPLOTLIB]
     assert "p99 ms" in captured.out  # the table is still printed
+
+
+def test_the_sweep_cli_names_an_unreachable_server_a_missing_model_and_a_sweep_with_no_answer(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """No server: exit 2 naming the URL (not a hint about --shape). A 404 for the metadata: exit 2 naming the
+    model. Steps that all ran with not one 200: exit 1 with the errors (a misconfiguration, not a measurement)."""
+    from bench.__main__ import main
+
+    args = ["sweep", "--url", "127.0.0.1:9", "--model", "m", "--rates", "3", "--duration", "1", "--out",
+            str(tmp_path / "out"), "--no-progress"]
+
+    def refused(url, timeout=10.0):
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(cli, "http_get", refused)
+    assert main(args) == 2
+    assert "cannot reach a server at http://127.0.0.1:9" in capsys.readouterr().err
+
+    def not_found(url, timeout=10.0):
+        raise urllib.error.HTTPError(url, 404, "Not Found", None, None)
+
+    monkeypatch.setattr(cli, "http_get", not_found)
+    assert main(args) == 2
+    assert "the server at http://127.0.0.1:9 has no model 'm'" in capsys.readouterr().err
+
+    def no_metadata(url, timeout=10.0):
+        raise urllib.error.HTTPError(url, 501, "Not Implemented", None, None)
+
+    def all_refused(cfg, body, headers, rows, on_step):
+        rows.append({**_row(0, 3.0), "ok": 0, "errors": 3, "errors_by_status": "transport:3"})
+        on_step(rows)
+        return rows
+
+    monkeypatch.setattr(cli, "http_get", no_metadata)
+    monkeypatch.setattr(cli, "run_sweep", all_refused)
+    assert main([*args, "--input-name", "x", "--datatype", "FP32", "--shape", "1,4"]) == 1
+    assert "error: no request was answered 200 in any step (transport:3)" in capsys.readouterr().err
 
 
 def test_busy_suite_reads_pytests_summary_line():
