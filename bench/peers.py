@@ -39,8 +39,8 @@ work per second for both: CPU per request of an event loop falls as load rises, 
 one); CPU seconds (utime + stime of the server process from ``/proc/PID/stat``) over the requests served.
 
 ``--generator h2load`` has nghttp2's native h2load send the peers' steps instead of the sweep tool's Python drivers
-(:mod:`bench.sweep.h2load`): about 0.05 ms of client CPU per request instead of 0.2-0.7, so the client leaves the
-cores to the servers. Every step row has the client's own CPU per request (``client_cpu_ms_per_req``).
+(:mod:`bench.sweep.h2load`): 0.03-0.05 ms of client CPU per request at load instead of 0.17-0.33, so the client
+leaves the cores to the servers. Every step row has the client's own CPU per request (``client_cpu_ms_per_req``).
 
 Bound (``--sections bound``): ours (the MLP, each of ``--encodings``) and a bare aiohttp handler on uvloop given the
 same body, each at ``--bound-clients`` closed-loop clients from h2load; the CPU of each server thread from
@@ -676,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--processes", type=int, default=1, help="load client processes (default: 1)")
     g.add_argument("--generator", choices=["python", "h2load"], default="python",
                    help="who sends the peers' load: the sweep tool's drivers (default) or nghttp2's h2load, a "
-                        "native load generator at about a tenth of the client CPU per request (apt install "
+                        "native load generator at a fifth of the client CPU per request or less (apt install "
                         "nghttp2-client; bench/sweep/h2load.py). The front-end section always uses the drivers")
     g.add_argument("--client-timeout", type=float, default=10.0, help="seconds per request (default: 10)")
     g = p.add_argument_group("servers")
