@@ -89,8 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="who sends: this package's drivers (default) or nghttp2's h2load, a native load generator "
                         "(apt install nghttp2-client; HTTP/1.1, constant arrivals, one process). With h2load, "
                         "--max-inflight caps an open-loop step's connections, open-loop latency counts from each "
-                        "send's due time, and --max-send-lag-ms and --client-timeout count late sends and answers "
-                        "as client-overload and client-timeout (bench/sweep/h2load.py)")
+                        "send's due time (a late send keeps the server's answer; --max-send-lag-ms does not "
+                        "apply), and --client-timeout counts late answers as client-timeout "
+                        "(bench/sweep/h2load.py)")
     g.add_argument("--processes", type=int, default=1,
                    help="client processes sharing the load, so the client is not the bottleneck (default: 1)")
     g.add_argument("--max-inflight", type=int, default=512,

@@ -18,14 +18,17 @@ headers; ``--log-file`` gives every request's start (microseconds since the epoc
 Open loop, h2load sends a request late rather than not at all when its connection is still waiting for an answer.
 So that this waiting is measured, not hidden (coordinated omission), the step's requests are given the schedule
 they were meant to keep: the ``i``-th send (in time order) was due ``i / R`` after the first. Latency counts from
-that due time, ``send_lag`` is how late the send was, and as with the Python driver a send more than
-``max_lag_s`` late counts as ``client-overload``. In both loops an answer later than ``client_timeout_s`` counts as
-``client-timeout``, and h2load itself is stopped that long after the step should have ended. Requests it never
+that due time, and ``send_lag`` is how late the send was. A late send keeps the server's answer (unlike the Python
+driver, which does not send a request more than ``--max-send-lag-ms`` late and counts it as ``client-overload``:
+h2load did send it, and the row says what the server did). In both loops an answer later than
+``client_timeout_s`` after its due time (closed loop: its send) counts as ``client-timeout``, and h2load itself
+is stopped that long after the step should have ended. Requests it never
 logged count as transport errors (open loop; closed loop: those in flight at its end, after the window). The
 in-flight peak comes from the log.
 
-Options of the Python drivers that do not apply: ``--processes`` and Poisson arrivals (refused); ``--max-inflight``
-caps the connections of an open-loop step.
+Options of the Python drivers that do not apply: ``--processes`` and Poisson arrivals (refused),
+``--max-send-lag-ms`` (``send_lag_p99_ms`` shows how late the sends went); ``--max-inflight`` caps the connections
+of an open-loop step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.sweep.drivers import CLIENT_OVERLOAD, CLIENT_TIMEOUT, TRANSPORT_ERROR, Samples
+from bench.sweep.drivers import CLIENT_TIMEOUT, TRANSPORT_ERROR, Samples
 
 OPEN_SEND_INTERVAL_S = 0.05  #: seconds between one open-loop connection's sends (the peers bench's p99 target)
 CLOSED_TAIL_S = 1.0  #: a closed-loop step runs this much past its window: h2load drops what is in flight at -D
@@ -116,14 +119,13 @@ def parse_log(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def samples(start_us: np.ndarray, status: np.ndarray, latency_us: np.ndarray, t0_us: int, *,
-            rate: float | None = None, planned: int = 0, max_lag_s: float = float("inf"),
-            client_timeout_s: float = float("inf"), unanswered: int = 0, unanswered_at: float = 0.0,
-            unanswered_status: int = TRANSPORT_ERROR) -> Samples:
+            rate: float | None = None, planned: int = 0, client_timeout_s: float = float("inf"),
+            unanswered: int = 0, unanswered_at: float = 0.0, unanswered_status: int = TRANSPORT_ERROR) -> Samples:
     """The step's samples, offsets in seconds from ``t0_us`` (the step's start), in send order.
 
     Open loop (``rate`` req/s, ``planned`` requests): the ``i``-th send was due ``i / rate`` after the first
     (module docstring): ``scheduled`` is that due time, ``send_lag`` the send's delay after it, latency counts from
-    it, a send more than ``max_lag_s`` late is ``client-overload``, and the planned requests with no line (never
+    it (a late send keeps the server's answer: h2load sent it), and the planned requests with no line (never
     answered) are ``unanswered_status`` at their due times. Closed loop (``rate`` None): ``scheduled`` is the send,
     ``send_lag`` nan, and ``unanswered`` requests count at offset ``unanswered_at``. Either way an answer later
     than ``client_timeout_s`` is ``client-timeout``, a transport error has no latency, and ``peak_inflight`` is the
@@ -141,7 +143,6 @@ def samples(start_us: np.ndarray, status: np.ndarray, latency_us: np.ndarray, t0
         lag[:sent.size] = sent - due[:sent.size]
         lat = np.concatenate([done - due[:sent.size], np.full(due.size - sent.size, np.nan)])
         st = np.concatenate([st, np.full(due.size - sent.size, unanswered_status, np.int32)])
-        st = np.where(np.nan_to_num(lag, nan=0.0) > max_lag_s, CLIENT_OVERLOAD, st).astype(np.int32)
         sched = due
     else:
         sched, lag = sent, np.full(sent.size, np.nan)
@@ -151,7 +152,7 @@ def samples(start_us: np.ndarray, status: np.ndarray, latency_us: np.ndarray, t0
             st = np.concatenate([st, np.full(unanswered, unanswered_status, np.int32)])
             lag = np.concatenate([lag, np.full(unanswered, np.nan)])
     st = np.where((st == 200) & (lat > client_timeout_s), CLIENT_TIMEOUT, st).astype(np.int32)
-    lat = np.where(np.isin(st, (TRANSPORT_ERROR, CLIENT_OVERLOAD, CLIENT_TIMEOUT)), np.nan, lat)
+    lat = np.where(np.isin(st, (TRANSPORT_ERROR, CLIENT_TIMEOUT)), np.nan, lat)
     return Samples(sched, lat, st, sched + lat, lag, peak_inflight=peak)
 
 
@@ -183,8 +184,7 @@ def _die_with_parent() -> None:
 
 
 async def run_step(url: str, body: bytes, headers: dict[str, str], mode: str, level: float, warmup_s: float,
-                   duration_s: float, client_timeout_s: float, max_inflight: int = 512,
-                   max_lag_s: float = 0.1) -> tuple[Samples, float]:
+                   duration_s: float, client_timeout_s: float, max_inflight: int = 512) -> tuple[Samples, float]:
     """One step by h2load, ``warmup_s`` then the ``duration_s`` window (closed loop: :data:`CLOSED_TAIL_S` more,
     so that what h2load drops in flight at its end was sent after the window); its samples (:func:`samples`,
     offsets from the step start) and the step start (``time.time()``). h2load is stopped ``client_timeout_s``
@@ -222,8 +222,8 @@ async def run_step(url: str, body: bytes, headers: dict[str, str], mode: str, le
     unanswered_status = CLIENT_TIMEOUT if timed_out else TRANSPORT_ERROR
     if mode == "open":
         return samples(start_us, status, latency_us, round(start_wall * 1e6), rate=level,
-                       planned=planned_requests(level, span_s, max_inflight), max_lag_s=max_lag_s,
-                       client_timeout_s=client_timeout_s, unanswered_status=unanswered_status), start_wall
+                       planned=planned_requests(level, span_s, max_inflight), client_timeout_s=client_timeout_s,
+                       unanswered_status=unanswered_status), start_wall
     if start_us.size:  # closed loop: those started and never logged were in flight at its end, after the window
         unanswered, at = max(0, counts.get("started", 0) - start_us.size), span_s
     else:  # not one answer in the whole step: each client's connection failed (h2load counts nothing then)

@@ -98,7 +98,7 @@ async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, b
 
                 before_task = asyncio.create_task(scrape_at_window_start(time.time() + cfg.warmup))
                 parts = [(await run_step(url, body, headers, cfg.mode, level, cfg.warmup, cfg.duration,
-                                         cfg.client_timeout_s, cfg.max_inflight, cfg.max_lag_s))[0]]
+                                         cfg.client_timeout_s, cfg.max_inflight))[0]]
             else:
                 before_task = asyncio.create_task(scrape_at_window_start(start_wall + cfg.warmup))
                 parts = await run_jobs(_jobs(cfg, k, level, url, body, headers, start_wall), pool)
