@@ -74,6 +74,7 @@ from bench.scripts import comma_list, script_parser
 from bench.server import ServerProcess, Subprocess, free_port
 from bench.sweep.arrivals import arrival_times
 from bench.sweep.drivers import Samples, drive_closed, drive_open, http_sender
+from bench.sweep.h2load import CLOSED_TAIL_S, h2load_binary
 from bench.sweep.report import percentile, text_table, write_csv, write_json
 from bench.sweep.requests import build_request, infer
 from bench.sweep.run import SweepConfig, run_sweep
@@ -315,8 +316,6 @@ def one_step(server: Running, body: bytes, headers: dict[str, str], *, mode: str
     cpu_after = tree_cpu_seconds(server.pid)
     row = dict(rows[0])
     # the window's requests, scaled to the whole step (an h2load closed-loop step runs a tail past its window)
-    from bench.sweep.h2load import CLOSED_TAIL_S
-
     span = warmup + duration + (CLOSED_TAIL_S if generator == "h2load" and mode == "closed" else 0.0)
     sent = span / duration * row["requests"]
     row["client_cpu_ms_per_req"] = (client_cpu_seconds() - client0) / sent * 1e3 if sent else float("nan")
@@ -721,14 +720,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration <= 0 or args.warmup < 0 or args.bound_clients < 1 or args.processes < 1:
         print("error: --duration must be > 0, --warmup >= 0, --bound-clients and --processes >= 1", file=sys.stderr)
         return 2
-    if (args.generator == "h2load" and "peers" in args.sections) or "bound" in args.sections:
-        import shutil
-
-        from bench.sweep.h2load import INSTALL_HINT
-
-        if shutil.which("h2load") is None or args.processes > 1:
-            print(f"error: {INSTALL_HINT}" if args.processes == 1 else
-                  "error: --generator h2load runs in one process: leave out --processes", file=sys.stderr)
+    h2load_peers = args.generator == "h2load" and "peers" in args.sections
+    if h2load_peers and args.processes > 1:
+        print("error: --generator h2load runs in one process: leave out --processes", file=sys.stderr)
+        return 2
+    if h2load_peers or "bound" in args.sections:
+        try:
+            h2load_binary()
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
     if args.rates != sorted(args.rates):
         print("error: --rates must be ascending", file=sys.stderr)

@@ -269,20 +269,19 @@ def retention_rows(layout: str, servers: dict, names: list[str], clients: int, i
         say(f"  (t) {layout}, {clients} clients, round {k + 1}: alone { {m: round(qps(alone[m]), 1) for m in names} }"
             f", together { {m: round(qps(together[m]), 1) for m in names} }")
 
-    def median_round(kept: list[float]) -> int:
-        return sorted(range(len(kept)), key=lambda i: kept[i])[(len(kept) - 1) // 2]
-
-    def spread(kept: list[float]) -> dict:
-        return {"rounds": len(kept), "kept_min": round(min(kept), 3), "kept_max": round(max(kept), 3)}
+    def median_round(kept: list[float]) -> tuple[int, dict]:
+        """The median round (the lower middle one of an even count) and the kept columns of a row."""
+        i = sorted(range(len(kept)), key=lambda j: kept[j])[(len(kept) - 1) // 2]
+        return i, {"kept": round(kept[i], 3), "rounds": len(kept), "kept_min": round(min(kept), 3),
+                   "kept_max": round(max(kept), 3)}
 
     part = []
     for m in names:
-        kept = [qps(t[m]) / qps(a[m]) if qps(a[m]) else float("nan") for a, t in rounds]
-        alone, together = (r[m] for r in rounds[median_round(kept)])
+        i, kept_columns = median_round([qps(t[m]) / qps(a[m]) if qps(a[m]) else float("nan") for a, t in rounds])
+        alone, together = (r[m] for r in rounds[i])
         part.append({"layout": layout, "model": m, "clients": clients, "instances": instances,
                      "frontends": frontends, "alone_qps": round(qps(alone), 1),
-                     "together_qps": round(qps(together), 1), "kept": round(kept[median_round(kept)], 3),
-                     **spread(kept),
+                     "together_qps": round(qps(together), 1), **kept_columns,
                      "alone_batch": round(float(alone.get("avg_batch_size") or 0.0), 2),
                      "together_batch": round(float(together.get("avg_batch_size") or 0.0), 2),
                      "alone_execute_ms_per_batch": alone["execute_ms_per_batch"],
@@ -291,11 +290,10 @@ def retention_rows(layout: str, servers: dict, names: list[str], clients: int, i
                      "together_p50_ms": round(float(together["p50_ms"]), 2),
                      "together_machine_busy_cores": f"{together['machine_busy_cores']:.1f}/{os.cpu_count()}"})
     sums = [(sum(qps(a[m]) for m in names), sum(qps(t[m]) for m in names)) for a, t in rounds]
-    kept = [t / a if a else float("nan") for a, t in sums]
-    total_alone, total_together = sums[median_round(kept)]
+    i, kept_columns = median_round([t / a if a else float("nan") for a, t in sums])
     part.append({"layout": layout, "model": "sum (seed's ratio)", "clients": clients, "instances": instances,
-                 "frontends": frontends, "alone_qps": round(total_alone, 1), "together_qps": round(total_together, 1),
-                 "kept": round(kept[median_round(kept)], 3), **spread(kept)})
+                 "frontends": frontends, "alone_qps": round(sums[i][0], 1), "together_qps": round(sums[i][1], 1),
+                 **kept_columns})
     say(f"  (t) {layout}, {clients} clients: kept (median of {len(rounds)} rounds) {[r['kept'] for r in part]}")
     return part
 

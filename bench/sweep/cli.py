@@ -18,6 +18,7 @@ import numpy as np
 import bench.sweep
 from bench.sweep import report
 from bench.sweep.arrivals import KINDS
+from bench.sweep.h2load import h2load_binary
 from bench.sweep.report import COLUMN_DOCS
 from bench.sweep.requests import base_url, build_request, http_get, make_tensor, model_path, parse_shape, resolve_inputs
 from bench.sweep.run import SweepConfig, run_sweep
@@ -163,22 +164,17 @@ def main(args: argparse.Namespace) -> int:
         if args.processes > args.max_inflight and args.mode == "open":
             return fail("--max-inflight must be at least --processes")
         if args.generator == "h2load":
-            import shutil
-
-            from bench.sweep.h2load import INSTALL_HINT
-
             if args.arrivals != "constant" or args.processes > 1:
                 return fail("--generator h2load sends constant arrivals from one process "
                             "(no --arrivals poisson, no --processes)")
-            if shutil.which("h2load") is None:
-                return fail(INSTALL_HINT)
+            h2load_binary()  # RuntimeError, below, if it is not installed
         shapes: dict[str | None, list[int]] = {}
         for s in args.shape:
             name, dims = parse_shape(s)
             shapes[name] = dims
         arrays = _load_arrays(args.input_file)
         args.out.mkdir(parents=True, exist_ok=True)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         return fail(str(e))
 
     base = base_url(args.url)
