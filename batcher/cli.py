@@ -215,7 +215,7 @@ def _serve(config, args) -> int:
     try:
         web.run_app(
             app, loop=new_event_loop(server.event_loop),
-            sock=sock,
+            sock=sock, backlog=server.listen_backlog,
             # with --port 0 this line is the only way to learn the port: shown at any log level but error
             print=lambda _msg: log.log(logging.WARNING if server.port == 0 else logging.INFO,
                                        "serving KServe v2 on http://%s:%d", host, port),

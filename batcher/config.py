@@ -64,6 +64,11 @@ class SharedMemoryConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    #: the listening socket's accept queue (``listen(2)``'s backlog; the kernel caps it at
+    #: ``net.core.somaxconn``), per process that listens: each front end in multi-process mode. aiohttp's 128
+    #: overflowed when 512 clients connected at once to one front end on the H200 (``bench.gpu_scale`` part n:
+    #: 35-37 connections reset by the kernel, about 1 s after the start, a SYN retry later).
+    listen_backlog: int = Field(1024, ge=1, le=65535)
     #: request bodies above this get 413.
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     #: request bodies being read or held, summed over the process's requests, stay under this (batcher.bodies):

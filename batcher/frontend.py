@@ -368,7 +368,8 @@ def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: st
     app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
     app.on_startup.append(freeze_on_startup)
     web.run_app(
-        app, host=host, port=port, reuse_port=True, loop=new_event_loop(config.server.event_loop),
+        app, host=host, port=port, reuse_port=True, backlog=config.server.listen_backlog,
+        loop=new_event_loop(config.server.event_loop),
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
         print=lambda _msg: ready.send(("ready", os.getpid())),
         handle_signals=True, handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s,

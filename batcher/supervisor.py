@@ -18,7 +18,9 @@ them (:mod:`batcher.mps`).
 
 Metrics: ``PROMETHEUS_MULTIPROC_DIR`` is a fresh folder under the supervisor's private runtime folder (with the
 engines' sockets), set before any process imports prometheus-client, marked for each dead process
-(``mark_process_dead``) and removed at exit. Children die with the supervisor (``PR_SET_PDEATHSIG``).
+(``mark_process_dead``) and removed at exit. Children die with the supervisor (``PR_SET_PDEATHSIG``). A supervisor
+killed with ``kill -9`` cannot remove its folder: the next one to start removes every runtime folder whose
+supervisor is gone (:func:`remove_stale_runtime_dirs`).
 """
 
 from __future__ import annotations
@@ -167,13 +169,54 @@ class _Child:
                 pass
 
 
+RUNTIME_PREFIX = "batcher-"  #: the runtime folders' names in the temporary folder: ``batcher-XXXXXXXX``
+OWNER_FILE = "supervisor"  #: in each runtime folder: ``"<pid> <start time>"`` of the supervisor that made it
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks after boot (``/proc/<pid>/stat`` field 22), which with the pid names
+    one process even after its pid is reused; None if there is no such process (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def remove_stale_runtime_dirs(parent: str) -> list[str]:
+    """Remove the runtime folders in ``parent`` whose supervisor is gone (its pid is not running, or runs a process
+    that started at another time); the folders removed. A folder without its :data:`OWNER_FILE` (one being made
+    right now, or not ours) or of another user is left alone. Only where ``/proc`` is (Linux)."""
+    if not os.path.isdir("/proc/self"):
+        return []
+    removed = []
+    for entry in os.scandir(parent):
+        if not entry.name.startswith(RUNTIME_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                pid, started = f.read().split()
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(pid)) != started:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 class Supervisor:
     """Runs the processes of one multi-process server until SIGTERM/SIGINT (:meth:`run`)."""
 
     def __init__(self, config: Config, frontends: int, access_log: bool = False) -> None:
         self.config = config
         self.server = config.server
-        self.dir = tempfile.mkdtemp(prefix="batcher-")
+        for path in remove_stale_runtime_dirs(tempfile.gettempdir()):
+            log.info("removed %s: the runtime folder of a supervisor that is gone (killed with kill -9?)", path)
+        self.dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+        with open(os.path.join(self.dir, OWNER_FILE), "w") as f:
+            f.write(f"{os.getpid()} {_start_time(os.getpid())}")
         metrics_dir = os.path.join(self.dir, "metrics")
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before this process or any child imports it

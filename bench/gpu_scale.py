@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     args.kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     if args.device == "cpu":
         args.precision = "fp32"
+    else:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():  # as bench.gpu_bench: no traceback
+            say("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU, or run "
+                "--device cpu for a dry run of the code")
+            return 3
 
     run_parts(parts, args)
     return 0

@@ -115,11 +115,11 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
            f"{args.instances} context(s), {how}, {float(row.get('achieved_qps', 0)):.0f} req/s)", rows)
     if spy and spy_out.is_file():
         finish(out, "scale_p_functions", "(p) py-spy: this project's functions on most samples per process role (inclusive)",
-               top_functions(spy_out.read_text(), role_of))
+               top_functions(spy_out.read_text(errors="replace"), role_of))
     if spy and gil_out.is_file():
         finish(out, "scale_p_gil", "(p) py-spy --gil: share of the time each process's GIL is held (samples holding "
                f"it over {SPY_RATE}/s x {max(1, round(args.profile_seconds))} s), and its functions on most of them",
-               gil_held(gil_out.read_text(), role_of, SPY_RATE * max(1, round(args.profile_seconds))))
+               gil_held(gil_out.read_text(errors="replace"), role_of, SPY_RATE * max(1, round(args.profile_seconds))))
     return rows
 
 

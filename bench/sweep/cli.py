@@ -173,11 +173,11 @@ def main(args: argparse.Namespace) -> int:
             name, dims = parse_shape(s)
             shapes[name] = dims
         arrays = _load_arrays(args.input_file)
+        base = base_url(args.url)
         args.out.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError, RuntimeError) as e:
         return fail(str(e))
 
-    base = base_url(args.url)
     meta = None
     meta_error = ""
     try:

@@ -106,9 +106,18 @@ def decode_response(body: bytes, headers: Mapping[str, str]) -> tuple[dict, dict
 
 
 def base_url(url: str) -> str:
-    """``host:port`` or a URL -> ``http://host:port`` (no trailing slash)."""
+    """``host:port`` or an ``http://``/``https://`` URL -> ``http://host:port`` (no trailing slash).
+
+    Raises:
+        ValueError: a URL of another scheme (``ftp://...``: KServe v2 speaks HTTP).
+    """
     url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+    if "://" not in url:
+        return f"http://{url}"
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"--url {url}: a {scheme}:// URL; the KServe v2 HTTP protocol needs http:// or https://")
+    return url
 
 
 def model_path(model: str, version: str | None = None) -> str:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
 import time
 
 import aiohttp
 import numpy as np
 import orjson
 import pytest
+from helpers import require_program
 from test_server import BAD_REQUESTS, MODELS
 
 from bench.peers import descendants
@@ -114,7 +117,7 @@ def _owner(server, client_port: int) -> int:
 def multi_server(tmp_path_factory, cache_dir):
     """The embedded default config (the six zoo models) in multi-process mode: two front ends, one engine, on
     uvloop's event loop (``server.event_loop``)."""
-    server_cfg = {**_default_config()["server"], "frontends": 2, "event_loop": "uvloop"}
+    server_cfg = {**_default_config()["server"], "frontends": 2, "event_loop": "uvloop", "listen_backlog": 777}
     with ServerProcess({**_default_config(), "server": server_cfg},
                        tmp_path_factory.mktemp("multi"), name="multi") as server:
         _wait_log(server, r"serving KServe v2")
@@ -135,6 +138,21 @@ def test_each_process_carries_its_role_as_its_name(multi_server):
             pass
     assert {"engine-cpu", "frontend-0", "frontend-1"} <= names
     assert sorted(role_of(p) for p in descendants(multi_server.proc.pid)).count("frontend") == 2
+
+
+def _listen_backlogs(port: int) -> list[int]:
+    """The accept-queue length of every socket listening on ``port`` (``ss``'s Send-Q column of a LISTEN socket)."""
+    ss = require_program(shutil.which("ss"), "ss (iproute2) is not installed", "BATCHER_REQUIRE_SS")
+    out = subprocess.run([ss, "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return sorted(int(line.split()[2]) for line in out.splitlines() if line.startswith("LISTEN"))
+
+
+def test_every_listening_socket_takes_server_listen_backlog(default_server, multi_server):
+    """``server.listen_backlog`` (default 1024) is the accept queue of the one process that listens in
+    single-process mode and of each front end (``SO_REUSEPORT``) in multi-process mode; aiohttp's 128 reset
+    connections when 512 clients connected at once to one front end on the H200."""
+    assert _listen_backlogs(default_server.port) == [1024]
+    assert _listen_backlogs(multi_server.port) == [777, 777]
 
 
 def _default_config() -> dict:
@@ -257,6 +275,33 @@ async def test_kill_9_of_a_front_end_loses_only_its_requests_and_of_the_engine_a
     assert server.stop() == 0
     assert not os.path.exists(folder)
     assert "Traceback" not in server.log()
+
+
+def test_a_supervisor_killed_with_kill_9_leaves_its_runtime_folder_to_the_next_one(start_server, tmp_path):
+    """kill -9 of the supervisor: its children die with it (PR_SET_PDEATHSIG), its runtime folder (engine sockets,
+    the metrics' files) stays; the next multi-process server removes it as it starts, and keeps its own."""
+    env = {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    config = {"server": {"frontends": 1, "log_level": "info"}, "models": [{"name": "tiny_cnn", "path": "zoo:tiny_cnn"}]}
+    first = start_server(config, env=env)
+    folder = _wait_log(first, r"runtime folder (\S+)")[0]
+    _wait_log(first, r"serving KServe v2")
+    children = descendants(first.proc.pid)[1:]
+    assert folder.startswith(str(tmp_path / "tmp")) and os.path.isdir(os.path.join(folder, "metrics")) and children
+    first.proc.kill()
+    first.proc.wait(timeout=30)
+    end = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+    assert os.path.isdir(folder)
+    second = start_server(config, env=env)
+    own = _wait_log(second, r"multi-process mode: runtime folder (\S+)")[0]
+    assert _wait_log(second, r"removed (\S+): the runtime folder of a supervisor that is gone") == [folder]
+    assert not os.path.exists(folder) and os.path.isdir(own)
+    _wait_log(second, r"serving KServe v2")
+    assert second.stop() == 0
+    assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("batcher-")] == []  # its own removed at exit
 
 
 async def test_sigterm_drains_every_accepted_request_across_processes(start_server):

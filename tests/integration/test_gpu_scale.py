@@ -74,3 +74,27 @@ def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
         # between the lowest and the highest round's
         assert float(r["kept"]) == pytest.approx(float(r["together_qps"]) / float(r["alone_qps"]), rel=0.02, abs=0.002)
         assert float(r["kept_min"]) <= float(r["kept"]) <= float(r["kept_max"])
+
+
+def test_the_profile_part_reads_a_py_spy_profile_whose_bytes_are_not_all_utf8(tmp_path):
+    """py-spy's raw output can hold bytes that are not UTF-8 (on the H200 it did, in a native frame's name): part p
+    still writes its functions table instead of stopping on a UnicodeDecodeError. The stand-in for py-spy writes one
+    such profile (the real one is not installed in CI, and what it samples is not the point here)."""
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n"
+                   "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
+                   "printf 'process 1:\"python\";run (batcher/engine_proc.py:1);caf\\377 (lib.so) 7\\n' > \"$out\"\n")
+    spy.chmod(0o755)
+    out = tmp_path / "scale"
+    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", str(spy), duration="1") == 0
+    (row,) = read_csv(out / "scale_p_functions.csv")
+    assert row["function"] == "run (batcher/engine_proc.py)" and row["samples"] == "7", row
+
+
+def test_without_a_cuda_provider_it_says_so_instead_of_a_traceback(tmp_path, capsys):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has the CUDA provider: the bench would run")
+    assert main(["--out", str(tmp_path / "scale"), "--parts", "r"]) == 3
+    assert "CUDAExecutionProvider is not available" in capsys.readouterr().out

@@ -426,6 +426,22 @@ def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib
     assert "p99 ms" in captured.out  # the table is still printed
 
 
+def test_the_sweep_cli_refuses_a_url_that_is_not_http_before_sending_anything(tmp_path, monkeypatch, capsys):
+    """An ``ftp://`` URL is refused with exit 2 and its scheme named, before any request (it used to be tried as
+    FTP, and waited out its timeout against a real host); ``https://`` and ``host:port`` are taken."""
+    from bench.__main__ import main
+    from bench.sweep.requests import base_url
+
+    sent = []
+    monkeypatch.setattr(cli, "http_get", lambda url, timeout=10.0: sent.append(url))
+    assert main(["sweep", "--url", "ftp://example.com:8000", "--model", "m", "--rates", "3", "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "a ftp:// URL; the KServe v2 HTTP protocol needs http:// or https://" in capsys.readouterr().err
+    assert sent == [] and not (tmp_path / "out").exists()
+    assert base_url("https://h:1/") == "https://h:1" and base_url("h:1") == "http://h:1"
+    assert base_url("HTTP://h:1") == "HTTP://h:1"
+
+
 def test_the_sweep_cli_names_an_unreachable_server_a_missing_model_and_a_sweep_with_no_answer(tmp_path, monkeypatch,
                                                                                              capsys):
     """No server: exit 2 naming the URL (not a hint about --shape). A 404 for the metadata: exit 2 naming the
