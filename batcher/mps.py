@@ -75,6 +75,21 @@ class MpsDaemon:
         self.started = True
         log.info("server.cuda_mps: MPS control daemon started (pipes in %s)", pipe)
 
+    @classmethod
+    def quit_stale(cls, folder: str) -> bool:
+        """Send ``quit`` to the daemon of a runtime folder whose supervisor is gone (killed with ``kill -9``: its
+        daemon outlives it, and once the folder is removed nothing can reach its pipes); whether there was one to
+        ask (``folder/mps-pipe`` and the control program). Failures are logged, as in :meth:`stop`."""
+        control = os.environ.get("BATCHER_MPS_CONTROL") or shutil.which(CONTROL)
+        pipe, logs = os.path.join(folder, "mps-pipe"), os.path.join(folder, "mps-log")
+        if not control or not os.path.isdir(pipe) or not os.path.isdir(logs):
+            return False
+        daemon = cls(folder)
+        daemon._control, daemon._env, daemon.started = control, {"CUDA_MPS_PIPE_DIRECTORY": pipe,
+                                                                  "CUDA_MPS_LOG_DIRECTORY": logs}, True
+        daemon.stop()
+        return True
+
     def stop(self) -> None:
         """Ask the daemon to quit (it stops its MPS servers once their clients have exited); logged if it fails."""
         if not self.started:

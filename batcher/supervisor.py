@@ -186,7 +186,8 @@ def _start_time(pid: int) -> str | None:
 def remove_stale_runtime_dirs(parent: str) -> list[str]:
     """Remove the runtime folders in ``parent`` whose supervisor is gone (its pid is not running, or runs a process
     that started at another time); the folders removed. A folder without its :data:`OWNER_FILE` (one being made
-    right now, or not ours) or of another user is left alone. Only where ``/proc`` is (Linux)."""
+    right now, or not ours) or of another user is left alone. The MPS control daemon a folder holds the pipes of
+    (``server.cuda_mps``) is sent ``quit`` first (:meth:`MpsDaemon.quit_stale`). Only where ``/proc`` is (Linux)."""
     if not os.path.isdir("/proc/self"):
         return []
     removed = []
@@ -201,6 +202,8 @@ def remove_stale_runtime_dirs(parent: str) -> list[str]:
         except (OSError, ValueError):
             continue
         if _start_time(int(pid)) != started:
+            if MpsDaemon.quit_stale(entry.path):
+                log.info("sent quit to the MPS control daemon of %s", entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed

@@ -438,6 +438,29 @@ def test_cuda_mps_starts_a_private_daemon_for_the_engine_processes_and_quits_it_
     assert not os.path.exists(runtime)
 
 
+def test_the_mps_daemon_of_a_supervisor_killed_with_kill_9_is_sent_quit_by_the_next_one(start_server, tmp_path):
+    """A supervisor with ``server.cuda_mps`` killed with kill -9 leaves its MPS control daemon running, its pipes in
+    its runtime folder; the next server to start (with or without MPS) sends that daemon ``quit`` through those
+    pipes, then removes the folder (the control program is a stand-in: no GPU here)."""
+    control, record = tmp_path / "mps-control", tmp_path / "record.txt"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    env = {"BATCHER_MPS_CONTROL": str(control), "RECORD": str(record), "TMPDIR": str(tmp_path / "tmp")}
+    model = {"name": "tiny_cnn", "path": "zoo:tiny_cnn"}
+    first = start_server({"server": {"frontends": 1, "cuda_mps": True}, "models": [model]}, env=env)
+    _wait_log(first, r"serving KServe v2")
+    [start] = record.read_text().splitlines()
+    pipe = start.split()[1]
+    first.proc.kill()
+    first.proc.wait(timeout=30)
+    second = start_server({"server": {"frontends": 1, "log_level": "info"}, "models": [model]}, env=env)
+    _wait_log(second, r"serving KServe v2")
+    assert record.read_text().splitlines() == [start, f"command quit {pipe}"]
+    assert not os.path.exists(os.path.dirname(pipe))
+    assert second.stop() == 0 and record.read_text().splitlines() == [start, f"command quit {pipe}"]
+
+
 def test_cuda_mps_that_fails_to_start_stops_the_server_with_its_message(start_server, tmp_path):
     control = tmp_path / "mps-control"
     control.write_text(FAKE_MPS_CONTROL)
