@@ -66,8 +66,8 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     #: the listening socket's accept queue (``listen(2)``'s backlog; the kernel caps it at
     #: ``net.core.somaxconn``), per process that listens: each front end in multi-process mode. aiohttp's 128
-    #: overflowed when 512 clients connected at once to one front end on the H200 (``bench.gpu_scale`` part n:
-    #: 35-37 connections reset by the kernel, about 1 s after the start, a SYN retry later).
+    #: overflowed when 512 clients connected at once to one front end on the H200 (``bench.gpu_scale`` part n: 18-37
+    #: transport errors a run; in a reproduction the kernel reset 103 connections, about 1 s after the start).
     listen_backlog: int = Field(1024, ge=1, le=65535)
     #: request bodies above this get 413.
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)

@@ -20,19 +20,21 @@ Metrics: ``PROMETHEUS_MULTIPROC_DIR`` is a fresh folder under the supervisor's p
 engines' sockets), set before any process imports prometheus-client, marked for each dead process
 (``mark_process_dead``) and removed at exit. Children die with the supervisor (``PR_SET_PDEATHSIG``). A supervisor
 killed with ``kill -9`` cannot remove its folder: the next one to start removes every runtime folder whose
-supervisor is gone (:func:`remove_stale_runtime_dirs`).
+supervisor is gone (:func:`remove_stale_runtime_dirs`: the supervisor holds a lock on the folder's owner file).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -134,7 +136,11 @@ def child_setup(role: str, log_level: str) -> None:
         libc.prctl(15, role.replace(" ", "-").encode()[:15])  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the supervisor died before prctl
+    # the supervisor died before prctl: this process was handed to a reaper. Compared with the supervisor's pid, not
+    # with 1: a supervisor that is PID 1 itself (``batcher serve`` as a container's entrypoint) is its children's
+    # parent, and when PID 1 dies the kernel ends every process of its namespace anyway.
+    supervisor = os.environ.get(SUPERVISOR_PID_ENV, "")
+    if os.getppid() != int(supervisor) if supervisor.isdigit() else os.getppid() == 1:
         sys.exit(1)
 
 
@@ -170,12 +176,14 @@ class _Child:
 
 
 RUNTIME_PREFIX = "batcher-"  #: the runtime folders' names in the temporary folder: ``batcher-XXXXXXXX``
-OWNER_FILE = "supervisor"  #: in each runtime folder: ``"<pid> <start time>"`` of the supervisor that made it
+OWNER_FILE = "supervisor"  #: in each runtime folder: :data:`OWNER_TAG`, the supervisor's pid and start time
+OWNER_TAG = "trt-batcher runtime folder"  #: the owner file's first words: a folder without them is not ours
+SUPERVISOR_PID_ENV = "BATCHER_SUPERVISOR_PID"  #: the supervisor's pid, in its children's environment
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks after boot (``/proc/<pid>/stat`` field 22), which with the pid names
-    one process even after its pid is reused; None if there is no such process (or no ``/proc``)."""
+    """The process's start time in clock ticks after boot (``/proc/<pid>/stat`` field 22), for people reading an
+    owner file; None if there is no such process (or no ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[19]
@@ -183,25 +191,54 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def claim_runtime_dir(folder: str) -> int:
+    """Write ``folder``'s owner file and hold an exclusive ``flock`` on it for as long as the returned descriptor
+    is open (the supervisor's life: the kernel releases it when the process ends, ``kill -9`` included). A lock,
+    unlike a pid, says "gone" rightly across PID namespaces that share the folder (containers sharing ``/tmp``)."""
+    fd = os.open(os.path.join(folder, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"{OWNER_TAG} pid={os.getpid()} start={_start_time(os.getpid())}\n".encode())
+    return fd
+
+
+def _stale(folder: str) -> bool:
+    """Whether ``folder`` is a runtime folder whose supervisor is gone: its owner file is a regular file (not a
+    link, a FIFO or a device: opened without following links or blocking, at most 256 bytes read) that starts with
+    :data:`OWNER_TAG`, and no process holds its lock."""
+    try:
+        fd = os.open(os.path.join(folder, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not os.read(fd, 256).startswith(OWNER_TAG.encode()):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: nobody holds the supervisor's exclusive lock
+        return True
+    except OSError:  # held (BlockingIOError), or unreadable
+        return False
+    finally:
+        os.close(fd)
+
+
 def remove_stale_runtime_dirs(parent: str) -> list[str]:
-    """Remove the runtime folders in ``parent`` whose supervisor is gone (its pid is not running, or runs a process
-    that started at another time); the folders removed. A folder without its :data:`OWNER_FILE` (one being made
-    right now, or not ours) or of another user is left alone. The MPS control daemon a folder holds the pipes of
-    (``server.cuda_mps``) is sent ``quit`` first (:meth:`MpsDaemon.quit_stale`). Only where ``/proc`` is (Linux)."""
-    if not os.path.isdir("/proc/self"):
-        return []
+    """Remove the runtime folders in ``parent`` whose supervisor is gone (:func:`_stale`); the folders removed. A
+    folder of another user, a link, or one without a valid owner file (being made right now, from before owner
+    files, or not ours) is left alone. The MPS control daemon a removed folder holds the pipes of
+    (``server.cuda_mps``) is sent ``quit`` first (:meth:`MpsDaemon.quit_stale`)."""
     removed = []
-    for entry in os.scandir(parent):
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
         if not entry.name.startswith(RUNTIME_PREFIX):
             continue
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            with open(os.path.join(entry.path, OWNER_FILE)) as f:
-                pid, started = f.read().split()
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if _start_time(int(pid)) != started:
+        if _stale(entry.path):
             if MpsDaemon.quit_stale(entry.path):
                 log.info("sent quit to the MPS control daemon of %s", entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)
@@ -218,8 +255,8 @@ class Supervisor:
         for path in remove_stale_runtime_dirs(tempfile.gettempdir()):
             log.info("removed %s: the runtime folder of a supervisor that is gone (killed with kill -9?)", path)
         self.dir = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
-        with open(os.path.join(self.dir, OWNER_FILE), "w") as f:
-            f.write(f"{os.getpid()} {_start_time(os.getpid())}")
+        self._owner_fd = claim_runtime_dir(self.dir)  # held until this process ends
+        os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())  # the children's check that their supervisor is alive
         metrics_dir = os.path.join(self.dir, "metrics")
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before this process or any child imports it
@@ -291,6 +328,7 @@ class Supervisor:
             if self.mps is not None:
                 self.mps.stop()
             shutil.rmtree(self.dir, ignore_errors=True)
+            os.close(self._owner_fd)
             log.info("stopped")
 
     def _start_engines(self) -> int:

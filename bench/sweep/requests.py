@@ -106,18 +106,27 @@ def decode_response(body: bytes, headers: Mapping[str, str]) -> tuple[dict, dict
 
 
 def base_url(url: str) -> str:
-    """``host:port`` or an ``http://``/``https://`` URL -> ``http://host:port`` (no trailing slash).
+    """The server's base URL, without a trailing slash: ``host:port`` -> ``http://host:port``; an ``http://`` or
+    ``https://`` URL as it is.
 
     Raises:
-        ValueError: a URL of another scheme (``ftp://...``: KServe v2 speaks HTTP).
+        ValueError: empty; a URL of another scheme (``ftp://...``: KServe v2 speaks HTTP); no host
+            (``http://``), or a ``/`` without a scheme (``http:/host:port``, ``//host:port``).
     """
-    url = url.strip().rstrip("/")
+    url = url.strip()
+    if not url:
+        raise ValueError("--url is empty: give host:port or http://host:port")
     if "://" not in url:
-        return f"http://{url}"
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in ("http", "https"):
-        raise ValueError(f"--url {url}: a {scheme}:// URL; the KServe v2 HTTP protocol needs http:// or https://")
-    return url
+        if "/" in url.rstrip("/"):
+            raise ValueError(f"--url {url}: expected host:port or http://host:port")
+        return f"http://{url.rstrip('/')}"
+    scheme, rest = url.split("://", 1)
+    if scheme.lower() not in ("http", "https"):
+        raise ValueError(f"--url {url}: a {scheme.lower()}:// URL; the KServe v2 HTTP protocol needs http:// or "
+                         "https://")
+    if not rest.rstrip("/") or rest.startswith("/"):
+        raise ValueError(f"--url {url}: no host")
+    return f"{scheme}://{rest.rstrip('/')}"
 
 
 def model_path(model: str, version: str | None = None) -> str:

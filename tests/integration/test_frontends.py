@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import aiohttp
@@ -24,7 +25,7 @@ from helpers import require_program
 from test_server import BAD_REQUESTS, MODELS
 
 from bench.peers import descendants
-from bench.server import ServerProcess
+from bench.server import ServerProcess, Subprocess, free_port
 
 MID = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 8}
 
@@ -302,6 +303,57 @@ def test_a_supervisor_killed_with_kill_9_leaves_its_runtime_folder_to_the_next_o
     _wait_log(second, r"serving KServe v2")
     assert second.stop() == 0
     assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("batcher-")] == []  # its own removed at exit
+
+
+def _unshare() -> list[str]:
+    """``unshare`` into a new PID namespace (``batcher serve`` becomes its PID 1, as in a container), or a skip."""
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        if subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0:
+            return cmd
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    pytest.skip("unshare --pid (root, util-linux) is not available here")
+
+
+def test_as_pid_1_of_its_namespace_and_beside_a_server_of_another_namespace(start_server, tmp_path):
+    """``batcher serve`` as PID 1 of a PID namespace (a container's entrypoint): its children do not take their
+    parent, PID 1, for the reaper that adopts orphans, and it serves. A server of the host's namespace sharing its
+    TMPDIR (containers sharing /tmp) does not take that server's runtime folder for a dead supervisor's (pids mean
+    nothing across namespaces; the owner file's lock does), and the first keeps serving."""
+    unshare = _unshare()
+    (tmp_path / "tmp").mkdir()
+    env = {"TMPDIR": str(tmp_path / "tmp")}
+    model = {"name": "tiny_cnn", "path": "zoo:tiny_cnn"}
+    config = tmp_path / "pid1.yaml"
+    config.write_text(orjson.dumps({"server": {"frontends": 1, "log_level": "info"}, "models": [model]}).decode())
+    port = free_port()
+    first = Subprocess([*unshare, sys.executable, "-m", "batcher", "serve", "--config", str(config), "--port",
+                        str(port)], tmp_path, "pid1", port, env=env)
+    try:
+        folder = _wait_log(first, r"multi-process mode: runtime folder (\S+)")[0]
+        assert _infer_status(first.base) == 200
+        second = start_server({"server": {"frontends": 1, "log_level": "info"}, "models": [model]}, env=env)
+        _wait_log(second, r"serving KServe v2")
+        assert "removed" not in second.log() and os.path.isdir(folder)
+        assert _infer_status(first.base) == 200 and _infer_status(second.base) == 200
+        assert second.stop() == 0 and os.path.isdir(folder)
+    finally:
+        os.killpg(first.proc.pid, signal.SIGTERM)  # unshare and its PID 1, which drains and exits
+        first.proc.wait(timeout=60)
+        first.stop()
+    assert "Traceback" not in first.log() and "exited (code 1) before it was ready" not in first.log()
+
+
+def _infer_status(base: str) -> int:
+    x = np.zeros((1, 3, 224, 224), np.float32)
+
+    async def post() -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{base}/v2/models/tiny_cnn/infer", **_binary(x)) as r:
+                return r.status
+
+    return asyncio.run(post())
 
 
 async def test_sigterm_drains_every_accepted_request_across_processes(start_server):

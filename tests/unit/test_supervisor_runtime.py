@@ -1,39 +1,59 @@
 """Multi-process mode's runtime folders: a supervisor killed with kill -9 leaves its folder behind, and the next
 supervisor removes exactly the folders whose supervisor is gone
-(:func:`batcher.supervisor.remove_stale_runtime_dirs`)."""
+(:func:`batcher.supervisor.remove_stale_runtime_dirs`: the owner file's lock is free)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from batcher.supervisor import OWNER_FILE, _start_time, remove_stale_runtime_dirs
+from batcher.supervisor import OWNER_FILE, OWNER_TAG, claim_runtime_dir, remove_stale_runtime_dirs
 
 
-def _folder(parent, name: str, owner: str | None) -> str:
+def _folder(parent, name: str) -> str:
     path = parent / name
     (path / "metrics").mkdir(parents=True)
     (path / "metrics" / "counter_1.db").write_bytes(b"\0" * 4096)
-    if owner is not None:
-        (path / OWNER_FILE).write_text(owner)
     return str(path)
 
 
-def test_only_the_folders_of_supervisors_that_are_gone_are_removed(tmp_path):
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(done.stdout)  # exited: its pid runs nothing now, or (reused) a process started later
-    me = f"{os.getpid()} {_start_time(os.getpid())}"
-    alive = _folder(tmp_path, "batcher-alive", me)
-    dead = _folder(tmp_path, "batcher-dead", f"{dead_pid} 1")
-    reused = _folder(tmp_path, "batcher-reused", f"{os.getpid()} 1")  # this pid, another start time
-    making = _folder(tmp_path, "batcher-making", None)  # no owner file yet: left alone
-    other = _folder(tmp_path, "other-dead", f"{dead_pid} 1")  # not a runtime folder's name
-    assert sorted(remove_stale_runtime_dirs(str(tmp_path))) == sorted([dead, reused])
-    assert [os.path.isdir(p) for p in (alive, dead, reused, making, other)] == [True, False, False, True, True]
+def _claimed_by_a_process_that_exited(folder: str) -> None:
+    code = f"from batcher.supervisor import claim_runtime_dir; claim_runtime_dir({folder!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_only_the_folders_whose_supervisor_is_gone_are_removed(tmp_path):
+    alive = _folder(tmp_path, "batcher-alive")
+    fd = claim_runtime_dir(alive)  # this process holds its lock: its supervisor is alive
+    dead = _folder(tmp_path, "batcher-dead")
+    _claimed_by_a_process_that_exited(dead)
+    assert open(os.path.join(dead, OWNER_FILE)).read().startswith(f"{OWNER_TAG} pid=")
+    other = _folder(tmp_path, "other-dead")
+    _claimed_by_a_process_that_exited(other)  # a dead owner, but not a runtime folder's name
+    try:
+        assert remove_stale_runtime_dirs(str(tmp_path)) == [dead]
+        assert [os.path.isdir(p) for p in (alive, dead, other)] == [True, False, True]
+        assert remove_stale_runtime_dirs(str(tmp_path)) == []
+    finally:
+        os.close(fd)
+    assert remove_stale_runtime_dirs(str(tmp_path)) == [alive]  # its lock released: gone too
+
+
+def test_folders_that_are_not_provably_ours_are_left_alone_without_blocking(tmp_path):
+    """No owner file (one being made, or from before owner files), a file without the tag (a user's ``1 0``), a
+    symlink as the owner file (to a real owner file, or to /dev/zero), a FIFO (opening it would block), a directory
+    as the owner file, and a symlink named like a runtime folder: none is removed, and the scan does not hang."""
+    victim = _folder(tmp_path, "victim")
+    _claimed_by_a_process_that_exited(victim)
+    kept = [_folder(tmp_path, f"batcher-{n}") for n in ("none", "untagged", "link", "zero", "fifo", "dir")]
+    (tmp_path / "batcher-untagged" / OWNER_FILE).write_text("1 0")
+    os.symlink(os.path.join(victim, OWNER_FILE), tmp_path / "batcher-link" / OWNER_FILE)
+    os.symlink("/dev/zero", tmp_path / "batcher-zero" / OWNER_FILE)
+    os.mkfifo(tmp_path / "batcher-fifo" / OWNER_FILE)
+    os.mkdir(tmp_path / "batcher-dir" / OWNER_FILE)
+    os.symlink(victim, tmp_path / "batcher-symlinked")
     assert remove_stale_runtime_dirs(str(tmp_path)) == []
-
-
-def test_the_start_time_names_this_process_and_no_process_for_a_pid_that_runs_nothing():
-    assert _start_time(os.getpid()) == _start_time(os.getpid()) is not None
-    assert _start_time(2**22 + 12345) is None  # above the kernel's pid_max
+    assert all(os.path.isdir(p) for p in [*kept, victim])
+    assert remove_stale_runtime_dirs(str(tmp_path / "no-such-folder")) == []

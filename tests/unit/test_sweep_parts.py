@@ -440,6 +440,14 @@ def test_the_sweep_cli_refuses_a_url_that_is_not_http_before_sending_anything(tm
     assert sent == [] and not (tmp_path / "out").exists()
     assert base_url("https://h:1/") == "https://h:1" and base_url("h:1") == "http://h:1"
     assert base_url("HTTP://h:1") == "HTTP://h:1"
+    for bad, says in (("", "--url is empty"), ("  ", "--url is empty"), ("http:/h:1", "expected host:port"),
+                      ("//h:1", "expected host:port"), ("http://", "no host"), ("http:///h:1", "no host"),
+                      ("FILE:///etc/passwd", "a file:// URL")):
+        with pytest.raises(ValueError, match=says):
+            base_url(bad)
+    assert main(["sweep", "--url", "", "--model", "m", "--rates", "3", "--out", str(tmp_path / "out2"),
+                 "--no-progress"]) == 2
+    assert "--url is empty" in capsys.readouterr().err and sent == [] and not (tmp_path / "out2").exists()
 
 
 def test_the_sweep_cli_names_an_unreachable_server_a_missing_model_and_a_sweep_with_no_answer(tmp_path, monkeypatch,
