@@ -130,6 +130,10 @@ def child_setup(role: str, log_level: str) -> None:
 
     read_pid_once()
     setup_logging(log_level, f"[{role}] ")
+    # a process group of its own: a signal to the server's group (Ctrl-C in a terminal, ``kill -TERM -- -PGID``)
+    # reaches the supervisor alone, which stops the children in order (front ends drain, then engines), instead of
+    # an engine stopping at once under its front ends' accepted requests, or a front end getting SIGINT twice
+    os.setpgrp()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -202,15 +206,17 @@ def claim_runtime_dir(folder: str) -> int:
 
 
 def _stale(folder: str) -> bool:
-    """Whether ``folder`` is a runtime folder whose supervisor is gone: its owner file is a regular file (not a
-    link, a FIFO or a device: opened without following links or blocking, at most 256 bytes read) that starts with
-    :data:`OWNER_TAG`, and no process holds its lock."""
+    """Whether ``folder`` is a runtime folder whose supervisor is gone: its owner file is a regular file of this
+    user (not a link, a FIFO or a device: opened without following links or blocking, at most 256 bytes read) that
+    starts with :data:`OWNER_TAG`, and no process holds its lock."""
     try:
         fd = os.open(os.path.join(folder, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not os.read(fd, 256).startswith(OWNER_TAG.encode()):
+        info = os.fstat(fd)
+        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
+                or not os.read(fd, 256).startswith(OWNER_TAG.encode())):
             return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: nobody holds the supervisor's exclusive lock
         return True

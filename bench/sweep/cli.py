@@ -174,7 +174,6 @@ def main(args: argparse.Namespace) -> int:
             shapes[name] = dims
         arrays = _load_arrays(args.input_file)
         base = base_url(args.url)
-        args.out.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError, RuntimeError) as e:
         return fail(str(e))
 
@@ -196,6 +195,10 @@ def main(args: argparse.Namespace) -> int:
                                arrays=arrays, batch_size=args.batch_size)
     except ValueError as e:
         return fail(f"{e}{meta_error}")
+    try:  # only once the server answered: a sweep that cannot start leaves no folder behind
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return fail(f"--out {args.out}: {e.strerror or e}")
     rng = np.random.default_rng(args.seed)
     tensors = [(s.name, s.datatype, make_tensor(s, rng)) for s in specs]
     body, headers = build_request(tensors, binary=not args.json, timeout_us=args.timeout_us)

@@ -119,14 +119,28 @@ def base_url(url: str) -> str:
     if "://" not in url:
         if "/" in url.rstrip("/"):
             raise ValueError(f"--url {url}: expected host:port or http://host:port")
-        return f"http://{url.rstrip('/')}"
+        return _checked(f"http://{url.rstrip('/')}", url)
     scheme, rest = url.split("://", 1)
     if scheme.lower() not in ("http", "https"):
         raise ValueError(f"--url {url}: a {scheme.lower()}:// URL; the KServe v2 HTTP protocol needs http:// or "
                          "https://")
     if not rest.rstrip("/") or rest.startswith("/"):
         raise ValueError(f"--url {url}: no host")
-    return f"{scheme}://{rest.rstrip('/')}"
+    return _checked(f"{scheme}://{rest.rstrip('/')}", url)
+
+
+def _checked(base: str, given: str) -> str:
+    """``base`` if it has a host, a port that is a number from 1 to 65535 (or none), and no query or fragment (the
+    request paths are appended to it); else ValueError naming ``given``."""
+    parts = urllib.parse.urlsplit(base)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if not parts.hostname or port == 0 or parts.query or parts.fragment or base.endswith(("?", "#")):
+        raise ValueError(f"--url {given}: expected host:port or http://host:port (a host, a port from 1 to 65535, "
+                         "no query)")
+    return base
 
 
 def model_path(model: str, version: str | None = None) -> str:

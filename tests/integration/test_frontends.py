@@ -356,7 +356,12 @@ def _infer_status(base: str) -> int:
     return asyncio.run(post())
 
 
-async def test_sigterm_drains_every_accepted_request_across_processes(start_server):
+@pytest.mark.parametrize("to", ["supervisor", "process group"])
+async def test_sigterm_drains_every_accepted_request_across_processes(start_server, to):
+    """SIGTERM to the supervisor, or to the server's whole process group (``kill -TERM -- -PGID``, a terminal's
+    job): readiness false, new requests 503, every accepted request answered,
+    exit 0. Each child has a process group of its own, so a group's signal reaches the supervisor alone, which
+    stops the engines only after the front ends drained."""
     server = start_server({"server": {"frontends": 2, "shutdown_grace_s": 20}, "models": [MID]})
     _wait_log(server, r"serving KServe v2")
     url = f"{server.base}/v2/models/mid_cnn/infer"
@@ -382,7 +387,10 @@ async def test_sigterm_drains_every_accepted_request_across_processes(start_serv
         tasks += [asyncio.create_task(post(s, 1)) for s in sessions[1:]]
         assert await _queued(server, 5)
         assert _shared_memory(server)[0] == set()
-        server.proc.terminate()
+        if to == "supervisor":
+            server.proc.terminate()
+        else:
+            os.killpg(server.proc.pid, signal.SIGTERM)
         await asyncio.sleep(0.2)
         status, body = await post(probe, 1)  # a new request while draining: refused; readiness false
         assert status == 503 and b"shutting down" in body

@@ -54,6 +54,10 @@ def test_folders_that_are_not_provably_ours_are_left_alone_without_blocking(tmp_
     os.mkfifo(tmp_path / "batcher-fifo" / OWNER_FILE)
     os.mkdir(tmp_path / "batcher-dir" / OWNER_FILE)
     os.symlink(victim, tmp_path / "batcher-symlinked")
+    if os.getuid() == 0:  # a tagged, unlocked owner file of another user (root can give it away)
+        kept.append(_folder(tmp_path, "batcher-chowned"))
+        _claimed_by_a_process_that_exited(kept[-1])
+        os.chown(os.path.join(kept[-1], OWNER_FILE), 65534, 65534)
     assert remove_stale_runtime_dirs(str(tmp_path)) == []
     assert all(os.path.isdir(p) for p in [*kept, victim])
     assert remove_stale_runtime_dirs(str(tmp_path / "no-such-folder")) == []

@@ -439,10 +439,13 @@ def test_the_sweep_cli_refuses_a_url_that_is_not_http_before_sending_anything(tm
     assert "a ftp:// URL; the KServe v2 HTTP protocol needs http:// or https://" in capsys.readouterr().err
     assert sent == [] and not (tmp_path / "out").exists()
     assert base_url("https://h:1/") == "https://h:1" and base_url("h:1") == "http://h:1"
-    assert base_url("HTTP://h:1") == "HTTP://h:1"
+    assert base_url("HTTP://h:1") == "HTTP://h:1" and base_url("[::1]:8000") == "http://[::1]:8000"
+    assert base_url("http://h:1/prefix/") == "http://h:1/prefix"  # a server behind a path prefix
     for bad, says in (("", "--url is empty"), ("  ", "--url is empty"), ("http:/h:1", "expected host:port"),
                       ("//h:1", "expected host:port"), ("http://", "no host"), ("http:///h:1", "no host"),
-                      ("FILE:///etc/passwd", "a file:// URL")):
+                      ("FILE:///etc/passwd", "a file:// URL"), ("127.0.0.1:notaport", "a port from 1 to 65535"),
+                      (":8000", "a host"), ("http://:8000", "a host"), ("h:99999", "a port from 1"),
+                      ("h:0", "a port from 1"), ("http://h:1?x", "no query"), ("http://h:1#f", "no query")):
         with pytest.raises(ValueError, match=says):
             base_url(bad)
     assert main(["sweep", "--url", "", "--model", "m", "--rates", "3", "--out", str(tmp_path / "out2"),
@@ -465,6 +468,7 @@ def test_the_sweep_cli_names_an_unreachable_server_a_missing_model_and_a_sweep_w
     monkeypatch.setattr(cli, "http_get", refused)
     assert main(args) == 2
     assert "cannot reach a server at http://127.0.0.1:9" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # a sweep that could not start leaves no folder
 
     def not_found(url, timeout=10.0):
         raise urllib.error.HTTPError(url, 404, "Not Found", None, None)
