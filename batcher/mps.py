@@ -57,11 +57,9 @@ class MpsDaemon:
         if not control:
             raise ConfigError(f"server.cuda_mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver); "
                               "set server.cuda_mps: false, or BATCHER_MPS_CONTROL to its path")
-        pipe, logs = os.path.join(self.folder, "mps-pipe"), os.path.join(self.folder, "mps-log")
+        pipe, logs = self._attach(control)
         os.makedirs(pipe, exist_ok=True)
         os.makedirs(logs, exist_ok=True)
-        self._env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
-        self._control = control
         try:
             code, output = self._run(["-d"], None)
         except subprocess.TimeoutExpired:
@@ -81,14 +79,19 @@ class MpsDaemon:
         daemon outlives it, and once the folder is removed nothing can reach its pipes); whether there was one to
         ask (``folder/mps-pipe`` and the control program). Failures are logged, as in :meth:`stop`."""
         control = os.environ.get("BATCHER_MPS_CONTROL") or shutil.which(CONTROL)
-        pipe, logs = os.path.join(folder, "mps-pipe"), os.path.join(folder, "mps-log")
-        if not control or not os.path.isdir(pipe) or not os.path.isdir(logs):
-            return False
         daemon = cls(folder)
-        daemon._control, daemon._env, daemon.started = control, {"CUDA_MPS_PIPE_DIRECTORY": pipe,
-                                                                  "CUDA_MPS_LOG_DIRECTORY": logs}, True
+        if not control or not all(os.path.isdir(p) for p in daemon._attach(control)):
+            return False
+        daemon.started = True
         daemon.stop()
         return True
+
+    def _attach(self, control: str) -> tuple[str, str]:
+        """Use ``control`` on the daemon whose pipe and log folders are in :attr:`folder`; those two folders."""
+        pipe, logs = os.path.join(self.folder, "mps-pipe"), os.path.join(self.folder, "mps-log")
+        self._env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
+        self._control = control
+        return pipe, logs
 
     def stop(self) -> None:
         """Ask the daemon to quit (it stops its MPS servers once their clients have exited); logged if it fails."""

@@ -144,7 +144,8 @@ def child_setup(role: str, log_level: str) -> None:
     # with 1: a supervisor that is PID 1 itself (``batcher serve`` as a container's entrypoint) is its children's
     # parent, and when PID 1 dies the kernel ends every process of its namespace anyway.
     supervisor = os.environ.get(SUPERVISOR_PID_ENV, "")
-    if os.getppid() != int(supervisor) if supervisor.isdigit() else os.getppid() == 1:
+    orphaned = os.getppid() != int(supervisor) if supervisor.isdigit() else os.getppid() == 1
+    if orphaned:
         sys.exit(1)
 
 
