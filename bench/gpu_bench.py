@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpubench.common import add_load_arguments, chosen_parts, say
+from bench.gpubench.common import add_load_arguments, chosen_parts, cuda_provider_missing, say
 from bench.scripts import script_parser
 
 MODELS = "tiny_cnn,mid_cnn,resnet18"
@@ -55,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     parts = chosen_parts(p, args.parts, "a,b,c,d,t")
 
-    import onnxruntime as ort
-
-    if args.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-        say("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU")
+    missing = cuda_provider_missing(args.device)
+    if missing:
+        say(missing)
         return 3
     kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     precision = "tf32" if args.device == "cuda" else "fp32"

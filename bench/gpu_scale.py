@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpubench.common import add_load_arguments, chosen_parts, say
+from bench.gpubench.common import add_load_arguments, chosen_parts, cuda_provider_missing, say
 from bench.scripts import comma_list, script_parser
 
 
@@ -87,13 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     args.kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     if args.device == "cpu":
         args.precision = "fp32"
-    else:
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():  # as bench.gpu_bench: no traceback
-            say("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU, or run "
-                "--device cpu for a dry run of the code")
-            return 3
+    missing = cuda_provider_missing(args.device)
+    if missing:
+        say(missing)
+        return 3
 
     run_parts(parts, args)
     return 0

@@ -74,7 +74,7 @@ from bench.scripts import comma_list, script_parser
 from bench.server import ServerProcess, Subprocess, free_port
 from bench.sweep.arrivals import arrival_times
 from bench.sweep.drivers import Samples, drive_closed, drive_open, http_sender
-from bench.sweep.h2load import CLOSED_TAIL_S, h2load_binary
+from bench.sweep.h2load import CLOSED_TAIL_S, h2load_binary, h2load_refuses
 from bench.sweep.report import percentile, text_table, write_csv, write_json
 from bench.sweep.requests import build_request, infer
 from bench.sweep.run import SweepConfig, run_sweep
@@ -721,8 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --duration must be > 0, --warmup >= 0, --bound-clients and --processes >= 1", file=sys.stderr)
         return 2
     h2load_peers = args.generator == "h2load" and "peers" in args.sections
-    if h2load_peers and args.processes > 1:
-        print("error: --generator h2load runs in one process: leave out --processes", file=sys.stderr)
+    if h2load_peers and (refused := h2load_refuses(processes=args.processes)):
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     if h2load_peers or "bound" in args.sections:
         try:

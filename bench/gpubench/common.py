@@ -33,6 +33,17 @@ def chosen_parts(p, text: str, allowed: str) -> set[str]:
     return parts
 
 
+def cuda_provider_missing(device: str) -> str | None:
+    """Why ``device`` cannot run here: ``cuda`` without ONNX Runtime's CUDA provider (what ``bench.gpu_bench``
+    and ``bench.gpu_scale`` say, exit 3, instead of a traceback); None if it can."""
+    import onnxruntime as ort
+
+    if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        return ("CUDAExecutionProvider is not available: install onnxruntime-gpu on a machine with a GPU, or run "
+                "--device cpu for a dry run of the code")
+    return None
+
+
 def say(*parts: object) -> None:
     """Print and flush: a run killed at its time limit still shows what it did."""
     print(*parts, flush=True)

@@ -18,7 +18,7 @@ import numpy as np
 import bench.sweep
 from bench.sweep import report
 from bench.sweep.arrivals import KINDS
-from bench.sweep.h2load import h2load_binary
+from bench.sweep.h2load import h2load_binary, h2load_refuses
 from bench.sweep.report import COLUMN_DOCS
 from bench.sweep.requests import base_url, build_request, http_get, make_tensor, model_path, parse_shape, resolve_inputs
 from bench.sweep.run import SweepConfig, run_sweep
@@ -164,9 +164,8 @@ def main(args: argparse.Namespace) -> int:
         if args.processes > args.max_inflight and args.mode == "open":
             return fail("--max-inflight must be at least --processes")
         if args.generator == "h2load":
-            if args.arrivals != "constant" or args.processes > 1:
-                return fail("--generator h2load sends constant arrivals from one process "
-                            "(no --arrivals poisson, no --processes)")
+            if refused := h2load_refuses(args.arrivals, args.processes):
+                return fail(refused)
             h2load_binary()  # RuntimeError, below, if it is not installed
         shapes: dict[str | None, list[int]] = {}
         for s in args.shape:
@@ -217,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
             "request_bytes": len(body)}
     rows: list[dict] = []
     interrupted = False
+
     def stop(signum, frame):  # SIGTERM as Ctrl-C: the finished steps are kept, h2load and client processes end
         raise KeyboardInterrupt
 

@@ -50,6 +50,14 @@ CLOSED_TAIL_S = 1.0  #: a closed-loop step runs this much past its window: h2loa
 INSTALL_HINT = "h2load (nghttp2) is not installed: apt install nghttp2-client, or use the Python load generator"
 
 
+def h2load_refuses(arrivals: str = "constant", processes: int = 1) -> str | None:
+    """Why h2load cannot send this load, None if it can: it sends constant arrivals from one process (the one
+    rule of ``python -m bench sweep``, :func:`bench.sweep.run.run_sweep` and ``python -m bench.peers``)."""
+    if arrivals != "constant" or processes > 1:
+        return "--generator h2load sends constant arrivals from one process (no --arrivals poisson, no --processes)"
+    return None
+
+
 def h2load_binary() -> str:
     """The ``h2load`` on ``PATH``.
 

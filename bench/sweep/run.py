@@ -156,7 +156,10 @@ def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list
     rows = [] if rows is None else rows
     if cfg.generator not in ("python", "h2load"):
         raise ValueError(f"generator must be python or h2load, got {cfg.generator!r}")
-    if cfg.generator == "h2load" and (cfg.arrivals != "constant" or cfg.processes > 1):
-        raise ValueError("h2load sends constant arrivals from one process: no --arrivals poisson, no --processes")
+    if cfg.generator == "h2load":
+        from bench.sweep.h2load import h2load_refuses
+
+        if refused := h2load_refuses(cfg.arrivals, cfg.processes):
+            raise ValueError(refused)
     with client_processes(cfg.processes if cfg.generator == "python" else 1) as pool:
         return asyncio.run(_sweep_with_progress(cfg, body, headers, pool, rows, on_step))
