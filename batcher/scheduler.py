@@ -60,21 +60,13 @@ from .batching import (
 )
 from .config import ModelConfig
 from .errors import DeadlineExceeded, ExecutionFailed, Unavailable
-from .executor import BatchResult, Executor, execute_batch, run_batch, stage_batch
+from .executor import BatchResult, Executor, execute_batch
 from .metrics import ModelMetrics
 from .protocol import Lease
 from .signature import ModelSignature
 from .stats import Stats
 
 log = logging.getLogger(__name__)
-
-async def _pipelined(ex: Executor, args: tuple, slot: int) -> BatchResult:
-    """A batch through a two-stage executor: staged on its staging thread, then run on the context's thread.
-    ``args``: :func:`~batcher.executor.stage_batch`'s after the context (batch, model, estimate, clock, allowed,
-    batched)."""
-    staged = await ex.stage(stage_batch, *args, slot)
-    return await ex.submit(run_batch, staged, args[1], args[4])
-
 
 def _batch_result(model: str, fut: asyncio.Future, requests: int) -> BatchResult:
     """What a finished batch future came to for its ``requests``: the executor's result; when cancelled (the model
@@ -294,7 +286,7 @@ class ModelRunner:
         ex, args = self._executors[token[0]], (batch, self.name, self.times.estimate(rows), self._loop.time,
                                                 self._allowed, self.signature.batched)
         if getattr(ex, "depth", 1) > 1:  # staged on one thread while the last batch runs on the context's
-            fut = asyncio.ensure_future(_pipelined(ex, args, token[1]))
+            fut = asyncio.ensure_future(ex.pipeline(args, token[1]))
         else:
             fut = asyncio.ensure_future(ex.submit(execute_batch, *args))
         self._running.add(fut)

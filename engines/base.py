@@ -150,6 +150,33 @@ class ExecutionContext(abc.ABC):
         """
         return None
 
+    #: batches this context takes on its device at once: with 2 or more, :meth:`launch` queues a batch and returns
+    #: and :meth:`collect` waits for it, so the caller can queue the next batch behind the running one and the
+    #: device never waits for the host between batches (:class:`batcher.executor.DevicePipeline`). 1 (the
+    #: default): only :meth:`execute`.
+    pipeline_depth: int = 1
+
+    def launch(self, inputs: Mapping[str, np.ndarray]) -> Any:
+        """Queue one batch (the inputs :meth:`execute` takes) on the device and return without waiting: a handle
+        for :meth:`collect`. At most :attr:`pipeline_depth` batches may be launched and not yet collected, and
+        their inputs must stay unchanged until collected. :meth:`execute` while batches are launched takes a free
+        launch slot of its own (so at most ``pipeline_depth - 1`` may be launched then) and runs after them.
+
+        Raises:
+            EngineError: as :meth:`execute`, or too many batches launched; NotImplementedError: depth 1.
+        """
+        raise NotImplementedError(f"{type(self).__name__} only executes (pipeline_depth 1)")
+
+    def collect(self, launched: Any) -> dict[str, np.ndarray]:
+        """Wait for a batch of :meth:`launch` (batches complete in launch order) and return its outputs as
+        :meth:`execute` does.
+
+        Raises:
+            EngineError: the batch failed, or the handle is not one of a launched batch; NotImplementedError:
+                depth 1.
+        """
+        raise NotImplementedError(f"{type(self).__name__} only executes (pipeline_depth 1)")
+
     def gather_rows(self, name: str, parts: list[np.ndarray], rows: int) -> RowParts | None:
         """Input ``name`` of a batch as its requests' arrays (:class:`RowParts`, ``rows`` with padding), when
         :meth:`execute` can read every part where it lies (page-locked host memory sent by DMA part by part), so

@@ -124,12 +124,20 @@ class IOBuffers:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return self.ensure(name, nbytes)[0].view(shape, dtype)
 
+    def needs_copy(self, name: str, arr: np.ndarray) -> bool:
+        """Whether :meth:`upload` copies ``arr`` into ``name``'s pinned buffer first (it is not C-contiguous
+        page-locked memory, nor that buffer itself)."""
+        pinned = self.pinned.get(name)
+        src = arr.ctypes.data
+        return not (arr.flags.c_contiguous and ((pinned is not None and src == pinned.ptr)
+                                                or page_locked(src, arr.nbytes)))
+
     def upload(self, name: str, arr: np.ndarray, stream: Stream) -> DeviceBuffer:
         """Queue ``arr`` host-to-device into ``name``'s device buffer on ``stream``: straight from ``arr`` when it is
         page-locked (the pinned buffer itself, or registered memory), else after ONE copy into the pinned buffer."""
         pinned, dev = self.ensure(name, arr.nbytes)
         src = arr.ctypes.data
-        if not (arr.flags.c_contiguous and (src == pinned.ptr or page_locked(src, arr.nbytes))):
+        if self.needs_copy(name, arr):
             np.copyto(pinned.view(arr.shape, arr.dtype), arr)
             src = pinned.ptr
         dev.copy_from_host_async(src, arr.nbytes, stream, repr(name))

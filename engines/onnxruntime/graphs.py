@@ -5,10 +5,17 @@ context is created. Fixed buffers: per input a pinned staging buffer and a devic
 buffer and a pinned buffer, each sized for the largest allowed batch and bound once per size with IOBinding
 (a graph replays the addresses it was captured with). One batch of ``n`` rows (``n`` one of the allowed sizes):
 H2D of ``n`` rows on the context's stream (straight from page-locked memory, else after one copy into the pinned
-buffer) -> replay of graph ``n`` on the same stream -> D2H of the outputs into pinned memory -> ONE
-``cudaStreamSynchronize`` -> owned copies of the outputs. Nothing is allocated per batch (the IOBindings and run
-options of every size are made once), and ``OrtValue.update_inplace`` is never used (it synchronizes the legacy
-default stream).
+buffer) -> replay of graph ``n`` on the same stream -> D2H of the outputs into pinned memory -> an event recorded
+(:meth:`CudaGraphContext.launch` returns here) -> ONE wait, for that event -> owned copies of the outputs
+(:meth:`CudaGraphContext.collect`). Nothing is allocated per batch (the IOBindings and run options of every size are
+made once), and ``OrtValue.update_inplace`` is never used (it synchronizes the legacy default stream).
+
+Two batches may be on the device at once (:attr:`CudaGraphContext.pipeline_depth`): the next one is launched
+behind the running one on the same stream, so the device starts it the moment the first ends instead of waiting
+for the host to see that and send it (each CUDA call of the host thread waits for the GIL behind a busy event
+loop). Stream order keeps them apart: the second's H2D into the one device buffer per input runs after the
+first's D2H out of the one device buffer per output. Each has its own pinned output buffers and event (output
+slots 0 and 1), so collecting the first reads what its own D2H wrote.
 
 Why a thread per context. What ONNX Runtime's source says (``core/providers/cuda/cuda_execution_provider.h`` and
 ``cuda_graph.cc``; checked against 1.18+ with per-id run counts, PR #19856):
@@ -39,7 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..base import EngineError, RowParts
-from ..cuda import CAPTURE_GATE, PinnedBuffer, Stream, page_locked, set_device
+from ..cuda import CAPTURE_GATE, Event, PinnedBuffer, Stream, page_locked, set_device
 from . import cuda as _cuda
 from .cuda import CudaContext, CudaPlan, check_rows
 from .options import run_options
@@ -88,6 +95,12 @@ class CudaGraphContext(CudaContext):
         self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
         # staging slots 1 and 2 (host_buffer(..., slot=k)), one pinned buffer per input each
         self._spare: list[dict[str, PinnedBuffer]] = [{} for _ in range(self.staging_slots - 1)]
+        # output slots (:attr:`pipeline_depth`): slot 0's pinned output buffers are ``_buffers.pinned``, the
+        # others' ``_out_spare``; one event per slot marks the end of its batch's D2H
+        self._out_spare: list[dict[str, PinnedBuffer]] = [{} for _ in range(self.pipeline_depth - 1)]
+        self._events: list[Event] = []
+        self._free_slots: list[int] = list(range(self.pipeline_depth))
+        self._generation = [0] * self.pipeline_depth  # launches per slot: a handle names its launch
         self._session: Any = None
         self._bindings: dict[int, Any] = {}
         self._run_options: dict[int, Any] = {}
@@ -107,6 +120,11 @@ class CudaGraphContext(CudaContext):
                 if name not in self._output_names:  # staging slots 1, 2: the next batches are stacked there
                     for spare in self._spare:
                         spare[name] = PinnedBuffer(nbytes)
+                else:  # output slot 1: the D2H of a batch launched behind another
+                    for spare in self._out_spare:
+                        spare[name] = PinnedBuffer(nbytes)
+            for _ in range(self.pipeline_depth):
+                self._events.append(Event(timing=False))  # one by one: _free destroys those made
             self._session = plan.session(self._stream, graphs=True)
             for size in self._sizes:
                 self._bindings[size] = self._bind(size)
@@ -135,31 +153,86 @@ class CudaGraphContext(CudaContext):
     # ---- one batch
 
     def _run(self, n: int, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """H2D, replay (or, the first time, capture) graph ``n``, D2H, one synchronize; on the context's thread."""
+        """One batch, launched and waited for; on the context's thread, the capture gate held by the caller."""
+        return self._wait(self._enqueue(n, inputs))
+
+    def _enqueue(self, n: int, inputs: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+        """H2D, replay (or, the first time, capture) graph ``n``, D2H into a free output slot, its event recorded;
+        returns ``(n, slot, generation)`` for :meth:`_wait`. On the context's thread, the capture gate held by the
+        caller. An input that must be copied into the pinned staging buffer 0 first (not page-locked) waits until
+        the batches launched before it are done: one of them may be reading that buffer.
+
+        Raises:
+            EngineError: both output slots are in use, or CUDA/ONNX Runtime refused (the slot is free again, once
+                what this batch had queued has run)."""
         stream = self._stream
         assert stream is not None
+        if not self._free_slots:
+            raise EngineError(f"{self.pipeline_depth} batches launched and not collected")
+        slot = self._free_slots.pop(0)
+        pinned = self._buffers.pinned if slot == 0 else self._out_spare[slot - 1]
+        queued = False
         try:
+            if len(self._free_slots) < self.pipeline_depth - 1 and any(
+                    not isinstance(arr, RowParts) and self._buffers.needs_copy(name, arr)
+                    for name, arr in inputs.items()):
+                stream.synchronize()
             for name, arr in inputs.items():
+                queued = True
                 if isinstance(arr, RowParts):
                     self._buffers.upload_parts(name, arr, stream)
                 else:
                     self._buffers.upload(name, arr, stream)
             self._launch(n)
-            shapes = {spec.name: (n, *spec.shape[1:]) for spec in self._plan.outputs}
-            for name, shape in shapes.items():
-                self._buffers.download(name, int(np.prod(shape)) * self._dtypes[name].itemsize, stream)
-            stream.synchronize()
+            for spec in self._plan.outputs:
+                nbytes = n * int(np.prod(spec.shape[1:])) * self._dtypes[spec.name].itemsize
+                self._buffers.device[spec.name].copy_to_host_async(pinned[spec.name].ptr, nbytes, stream,
+                                                                   repr(spec.name))
+            self._events[slot].record(stream)
+        except Exception as exc:
+            if queued:  # its copies may still read the inputs, or write the slot: let them run first
+                try:
+                    stream.synchronize()
+                except Exception as failed:
+                    log.debug("synchronizing after a failed launch failed too: %r", failed)
+            self._free_slots.insert(0, slot)
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc  # onnxruntime's own exception types
+        self._generation[slot] += 1
+        return n, slot, self._generation[slot]
+
+    def _wait(self, launched: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        """Wait for a launched batch's event, then owned copies of its outputs; its output slot is free again.
+
+        Raises:
+            EngineError: the batch failed on the device (CUDA's error), or the handle is not that of a batch
+                launched and not yet collected."""
+        n, slot, generation = launched
+        if (not 0 <= slot < self.pipeline_depth or slot in self._free_slots
+                or self._generation[slot] != generation):
+            raise EngineError(f"output slot {slot} holds no launched batch of this handle")
+        pinned = self._buffers.pinned if slot == 0 else self._out_spare[slot - 1]
+        try:
+            self._events[slot].synchronize()
+            return {spec.name: np.array(pinned[spec.name].view((n, *spec.shape[1:]), self._dtypes[spec.name]),
+                                        copy=True) for spec in self._plan.outputs}
         except EngineError:
             raise
-        except Exception as exc:  # onnxruntime's own exception types
+        except Exception as exc:
             raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc
-        return {name: self._buffers.result(name, shape, self._dtypes[name]) for name, shape in shapes.items()}
+        finally:
+            self._free_slots.append(slot)
 
     def _launch(self, n: int) -> None:
         """Queue graph ``n`` on the context's stream (ONNX Runtime replays it on ``user_compute_stream``)."""
         self._session.run_with_iobinding(self._bindings[n], self._run_options[n])
 
-    def _execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _checked(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """The batch's rows, once the inputs are exactly what the graphs take.
+
+        Raises:
+            EngineError: released, other input names, rows not an allowed size, another dtype or non-batch dims."""
         if self._session is None:
             raise EngineError("execution context was released")
         names = {s.name for s in self._plan.inputs}
@@ -171,8 +244,23 @@ class CudaGraphContext(CudaContext):
             if arr.dtype != self._dtypes[spec.name] or arr.shape[1:] != tuple(spec.shape[1:]):
                 raise EngineError(f"input {spec.name!r}: {arr.dtype} {list(arr.shape)} given, the graphs take "
                                   f"{self._dtypes[spec.name]} {[n, *spec.shape[1:]]}")
+        return n
+
+    def _execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = self._checked(inputs)
         with CAPTURE_GATE.shared():
             return self._run(n, inputs)
+
+    def _launch_batch(self, inputs: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+        n = self._checked(inputs)
+        with CAPTURE_GATE.shared():
+            return self._enqueue(n, inputs)
+
+    def _collect(self, launched: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        if self._session is None:
+            raise EngineError("execution context was released")
+        with CAPTURE_GATE.shared():
+            return self._wait(launched)
 
     # ---- contract
 
@@ -194,6 +282,39 @@ class CudaGraphContext(CudaContext):
         if thread is None:
             raise EngineError("execution context was released")
         return thread.call(self._execute, inputs)
+
+    #: two batches on the device at once (module docstring): :meth:`launch` the next before collecting the last
+    pipeline_depth = 2
+
+    def launch(self, inputs: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+        """Queue one batch on the device and return without waiting for it (on the context's thread).
+
+        Args:
+            inputs: as :meth:`execute` takes them; they, and the host memory of any :class:`RowParts`, must stay
+                unchanged until :meth:`collect` returns.
+
+        Returns:
+            a handle for :meth:`collect` (rows, output slot, and which launch of that slot).
+
+        Raises:
+            EngineError: as :meth:`execute`, or :attr:`pipeline_depth` batches are launched and not collected.
+        """
+        thread = self._thread
+        if thread is None:
+            raise EngineError("execution context was released")
+        return thread.call(self._launch_batch, inputs)
+
+    def collect(self, launched: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        """Wait for a batch of :meth:`launch` (batches finish in launch order) and return its outputs, as
+        :meth:`execute` does.
+
+        Raises:
+            EngineError: the batch failed on the device, or the handle is not a launched batch's.
+        """
+        thread = self._thread
+        if thread is None:
+            raise EngineError("execution context was released")
+        return thread.call(self._collect, launched)
 
     @property
     def executor(self) -> Executor | None:
@@ -247,10 +368,13 @@ class CudaGraphContext(CudaContext):
             self._run_options.clear()
             self._session = None
             self._buffers.free()
-            for spare in self._spare:
+            for spare in (*self._spare, *self._out_spare):
                 for buf in spare.values():
                     buf.free()
                 spare.clear()
+            for event in self._events:
+                event.destroy()
+            self._events = []
             if self._stream is not None:
                 self._stream.destroy()
                 self._stream = None

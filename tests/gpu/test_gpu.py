@@ -79,6 +79,26 @@ def test_graph_context_matches_cpu_at_every_size_and_padded(model, cpu_reference
         eng.release()
 
 
+@pytest.mark.parametrize("model", ["tiny_cnn", "resnet18"])
+def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_reference):
+    """The device pipeline's order (batcher.executor.DevicePipeline): the next batch is launched behind the running
+    one, on the same stream and device buffers, then both are collected; each reads its own outputs."""
+    want = cpu_reference(model)
+    eng = OnnxRuntimeEngine(resolve(f"zoo:{model}"), device="cuda", batch_sizes=SIZES, gpu_execution="graphs")
+    ctx = eng.create_context()
+    try:
+        x = images(8)
+        for a, b in ((8, 4), (1, 8), (2, 2)):
+            first = ctx.launch({"input": x[:a]})
+            second = ctx.launch({"input": x[8 - b:]})
+            time.sleep(0.05)  # both long done on the device before the first is read
+            assert relative(ctx.collect(first)["logits"], want[:a]) < TF32
+            assert relative(ctx.collect(second)["logits"], want[8 - b:]) < TF32
+    finally:
+        ctx.release()
+        eng.release()
+
+
 def test_fp32_graphs_match_the_cpu_closely(cpu_reference):
     eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=[8], precision="fp32")
     ctx = eng.create_context()

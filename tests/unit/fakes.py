@@ -158,8 +158,14 @@ class PipelineExecutor(SleepExecutor):
             await asyncio.sleep(self.stage_s)
             return staged
 
-    def stage(self, fn, *args: Any):
-        return asyncio.ensure_future(self._stage(fn, args))
+    async def _pipeline(self, args, slot):
+        from batcher.executor import run_batch, stage_batch
+
+        staged = await self._stage(stage_batch, (*args, slot))
+        return await self._run(run_batch, (staged, args[1], args[4]))
+
+    def pipeline(self, args, slot: int):
+        return asyncio.ensure_future(self._pipeline(args, slot))
 
     async def _run(self, fn, args) -> BatchResult:
         self._device = self._device or asyncio.Lock()

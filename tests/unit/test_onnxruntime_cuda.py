@@ -12,6 +12,7 @@ the capture gate - not ONNX Runtime's capture itself (tests/gpu/ does that on th
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -66,7 +67,8 @@ class Device:
                 op()
 
     def syncs(self) -> int:
-        return self.gpu.calls["cudaStreamSynchronize"]
+        """Waits for the device: a stream's whole queue, or an event (a graph context waits for its batch's)."""
+        return self.gpu.calls["cudaStreamSynchronize"] + self.gpu.calls["cudaEventSynchronize"]
 
 
 @pytest.fixture
@@ -133,7 +135,7 @@ def test_graph_context_runs_every_allowed_size_exactly(device, tmp_path):
         x = rng.standard_normal((n, 4)).astype(np.float32)
         before = device.syncs()
         y = ctx.execute({"x": x})["y"]
-        assert device.syncs() - before == 1  # ONE synchronize per batch
+        assert device.syncs() - before == 1  # ONE wait per batch
         np.testing.assert_allclose(y, _want(x), rtol=1e-6, atol=1e-6)
     ctx.release()
     eng.release()
@@ -148,6 +150,56 @@ def test_outputs_are_owned_not_views_of_the_next_batch(device, tmp_path):
     np.testing.assert_array_equal(first, kept)
     assert first.flags.owndata
     ctx.release()
+
+
+def test_two_batches_on_the_device_at_once_each_get_their_own_outputs(device, tmp_path):
+    eng = _engine(tmp_path)
+    ctx = eng.create_context()
+    assert ctx.pipeline_depth == 2
+    # staged as the executor stages them: in pinned staging buffers 0 and 1
+    x1 = ctx.host_buffer("x", (2, 4), np.float32)
+    x1[...] = 1.0
+    x2 = ctx.host_buffer("x", (4, 4), np.float32, slot=1)
+    x2[...] = -3.0
+    before = device.syncs()
+    first, second = ctx.launch({"x": x1}), ctx.launch({"x": x2})
+    assert device.syncs() == before  # launching waits for nothing
+    with pytest.raises(EngineError, match="2 batches launched and not collected"):
+        ctx.launch({"x": x1})
+    device.drain()  # the device finished both before the host collects the first
+    np.testing.assert_allclose(ctx.collect(first)["y"], _want(x1), rtol=1e-6)
+    np.testing.assert_allclose(ctx.collect(second)["y"], _want(x2), rtol=1e-6)
+    assert device.syncs() - before == 2  # one wait per batch
+    with pytest.raises(EngineError, match="holds no launched batch"):
+        ctx.collect(first)
+    third = ctx.launch({"x": x2[:1]})  # both slots free again
+    np.testing.assert_allclose(ctx.collect(third)["y"], _want(x2[:1]), rtol=1e-6)
+    # an input that is not page-locked is copied into staging buffer 0 first, which a batch launched before it may
+    # still be reading: that launch waits for the device first, and both read what they were given
+    x1_copy = x1.copy()
+    staged = ctx.launch({"x": x1})
+    waits = device.syncs()
+    plain = ctx.launch({"x": np.full((2, 4), 5.0, np.float32)})
+    assert device.syncs() == waits + 1
+    np.testing.assert_allclose(ctx.collect(staged)["y"], _want(x1_copy), rtol=1e-6)
+    np.testing.assert_allclose(ctx.collect(plain)["y"], _want(np.full((2, 4), 5.0)), rtol=1e-6)
+    # a handle whose slot was collected and launched again is refused, not answered with the newer batch's outputs
+    x1[...] = 1.0  # the plain input's copy went through staging buffer 0
+    old = ctx.launch({"x": x1})
+    ctx.collect(old)
+    newer = ctx.launch({"x": x2[:1]})
+    other = ctx.launch({"x": x1})
+    with pytest.raises(EngineError, match="holds no launched batch"):
+        ctx.collect(old)
+    np.testing.assert_allclose(ctx.collect(newer)["y"], _want(x2[:1]), rtol=1e-6)
+    np.testing.assert_allclose(ctx.collect(other)["y"], _want(x1_copy), rtol=1e-6)
+    with pytest.raises(EngineError, match="allowed|prepared|batch"):
+        ctx.launch({"x": np.ones((3, 4), np.float32)})  # not an allowed size: refused before anything is queued
+    np.testing.assert_allclose(ctx.execute({"x": x1})["y"], _want(x1), rtol=1e-6)
+    ctx.release()
+    with pytest.raises(EngineError, match="released"):
+        ctx.launch({"x": x1})
+    eng.release()
 
 
 def test_staging_buffer_is_read_in_place(device, tmp_path):
@@ -338,8 +390,10 @@ def test_device_memory_is_measured_and_everything_is_freed(device, tmp_path):
     ctx = eng.create_context()
     # the fake's device memory is the context's buffers (the CPU session uses none): x and y at the largest size
     assert ctx.device_nbytes == ctx.nbytes == 8 * 4 * 4 + 8 * 3 * 4
-    # pinned: x and y, and x's second and third staging buffers (slots 1 and 2)
-    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 4, "streams": before["streams"] + 1}
+    # pinned: x and y, x's second and third staging buffers (slots 1 and 2) and y's second output slot; an event
+    # per output slot
+    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 5, "streams": before["streams"] + 1,
+                                   "events": 2}
     ctx.release()
     ctx.release()  # idempotent
     assert device.gpu.counts() == before
@@ -512,6 +566,52 @@ async def test_the_batchers_executor_runs_batches_on_the_contexts_own_thread(dev
     np.testing.assert_allclose(seen[1], _want(np.ones((2, 4))), rtol=1e-6)
     ex.close()
     assert ctx.executor is None and device.gpu.counts() == {"pinned": 0, "streams": 0}
+
+
+async def test_the_batchers_pipeline_launches_and_collects_on_the_contexts_own_thread(device, tmp_path):
+    from batcher.batching import Pending, shape_key
+    from batcher.executor import ThreadExecutor
+
+    ctx = _engine(tmp_path).create_context()
+    owner = ctx.executor.submit(threading.get_ident).result()
+    seen: list[tuple[str, int]] = []
+    for name in ("launch", "collect"):
+        real = getattr(ctx, name)
+        setattr(ctx, name, lambda arg, real=real, name=name: (seen.append((name, threading.get_ident())), real(arg))[1])
+    ex = ThreadExecutor(ctx, "t")
+    xs = [np.full((n, 4), float(n), np.float32) for n in (3, 1, 8)]
+    batches = [[Pending({"x": x}, len(x), shape_key({"x": x}), arrival=0.0)] for x in xs]
+    results = await asyncio.gather(*(ex.pipeline((b, "m", None, lambda: 0.0, (1, 2, 4, 8), True), slot)
+                                     for slot, b in enumerate(batches)))
+    for x, r in zip(xs, results):
+        np.testing.assert_allclose(r.outcomes[0]["y"], _want(x), rtol=1e-6)  # 3 rows ran padded to 4
+    assert [r.padded_rows for r in results] == [1, 0, 0]
+    assert sorted(name for name, _ in seen) == ["collect"] * 3 + ["launch"] * 3
+    assert {thread for _, thread in seen} == {owner}
+    ex.close()
+    ex.close()  # twice: the context's thread is gone by then
+    assert ctx.executor is None and device.gpu.counts() == {"pinned": 0, "streams": 0}
+
+
+def test_the_raw_bench_measures_a_graph_context_batch_by_batch_and_one_batch_ahead(device, tmp_path):
+    from bench.gpubench.raw import measure_context
+
+    ctx = _engine(tmp_path).create_context()
+    outstanding: list[int] = []  # batches launched and not collected, at each launch
+    real_launch, real_collect = ctx.launch, ctx.collect
+
+    def launch(inputs):
+        handle = real_launch(inputs)
+        outstanding.append(ctx.pipeline_depth - len(ctx._free_slots))
+        return handle
+
+    ctx.launch, ctx.collect = launch, real_collect
+    rows = measure_context(ctx, np.ones((8, 4), np.float32), 0.02, sizes=(1, 8), name="x")
+    assert [r["batch"] for r in rows] == [1, 8, "mixed"]
+    assert all(set(r) == {"batch", "ms_per_batch", "rows_per_s", "sequential_rows_per_s"} for r in rows)
+    assert max(outstanding) == 2  # each batch launched while the one before it was still on the device
+    assert sorted(ctx._free_slots) == [0, 1]  # every launched batch collected
+    ctx.release()
 
 
 def test_back_to_back_parts_join_only_inside_one_locked_range():
