@@ -93,11 +93,19 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
             spy_out, gil_out = out / "scale_p_spy.txt", out / "scale_p_spy_gil.txt"
             if spy:
                 out.mkdir(parents=True, exist_ok=True)
-                for extra, path in (([], spy_out), (["--gil"], gil_out)):  # --gil: only the thread holding it
-                    subprocess.run([spy, "record", "--subprocesses", "--pid", str(server.proc.pid), "--duration",
-                                    str(max(1, round(args.profile_seconds))), "--rate", str(SPY_RATE), "--format",
-                                    "raw", "--nonblocking", *extra, "--output", str(path)], capture_output=True,
-                                   text=True, timeout=args.profile_seconds + 60)
+                # both records at once, inside the load (one after the other, the second sampled an idle server
+                # once the load had ended: an empty --gil profile on the H200); --gil: only the thread holding it
+                records = [subprocess.Popen([spy, "record", "--subprocesses", "--pid", str(server.proc.pid),
+                                             "--duration", str(max(1, round(args.profile_seconds))), "--rate",
+                                             str(SPY_RATE), "--format", "raw", "--nonblocking", *extra, "--output",
+                                             str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           for extra, path in (([], spy_out), (["--gil"], gil_out))]
+                for record in records:
+                    try:
+                        record.wait(timeout=args.profile_seconds + 60)
+                    except subprocess.TimeoutExpired:
+                        record.kill()
+                        record.wait()
             loader.join()
             role_of = roles(server.log(), server.proc.pid)
     rows = []
@@ -116,7 +124,9 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
     if spy and spy_out.is_file():
         finish(out, "scale_p_functions", "(p) py-spy: this project's functions on most samples per process role (inclusive)",
                top_functions(spy_out.read_text(errors="replace"), role_of))
-    if spy and gil_out.is_file():
+    if spy and gil_out.is_file() and not gil_out.read_text(errors="replace").strip():
+        say("  (p) py-spy --gil recorded no sample: no GIL table")
+    elif spy and gil_out.is_file():
         finish(out, "scale_p_gil", "(p) py-spy --gil: share of the time each process's GIL is held (samples holding "
                f"it over {SPY_RATE}/s x {max(1, round(args.profile_seconds))} s), and its functions on most of them",
                gil_held(gil_out.read_text(errors="replace"), role_of, SPY_RATE * max(1, round(args.profile_seconds))))

@@ -91,6 +91,29 @@ def test_the_profile_part_reads_a_py_spy_profile_whose_bytes_are_not_all_utf8(tm
     assert row["function"] == "run (batcher/engine_proc.py)" and row["samples"] == "7", row
 
 
+def test_the_profile_part_records_its_two_py_spy_profiles_at_once_during_the_load(tmp_path):
+    """Part p's two py-spy records (all threads, and ``--gil``) run at the same time, inside the load: run one after
+    the other, the second sampled a server whose load had ended (an empty ``--gil`` profile on the H200). The
+    stand-in py-spy writes its profile only once it has seen the other record start (waiting at most 30 s), so
+    records run one after the other leave the functions table out and this test fails."""
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n"
+                   "gil=0; for a in \"$@\"; do [ \"$a\" = --gil ] && gil=1; done\n"
+                   "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
+                   "dir=$(dirname \"$out\"); touch \"$out.started\"\n"
+                   "if [ $gil = 1 ]; then other=$dir/scale_p_spy.txt.started; else other=$dir/scale_p_spy_gil.txt.started; fi\n"
+                   "i=0; while [ ! -e \"$other\" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\n"
+                   "[ -e \"$other\" ] || exit 1\n"
+                   "printf 'process 1:\"python\";run (batcher/engine_proc.py:1) 7\\n' > \"$out\"\n")
+    spy.chmod(0o755)
+    out = tmp_path / "scale"
+    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", str(spy), duration="1") == 0
+    (row,) = read_csv(out / "scale_p_functions.csv")
+    assert row["function"] == "run (batcher/engine_proc.py)" and row["samples"] == "7", row
+    gil = read_csv(out / "scale_p_gil.csv")
+    assert gil and gil[0]["samples"] == "7", gil
+
+
 def test_without_a_cuda_provider_it_says_so_instead_of_a_traceback(tmp_path, capsys):
     import onnxruntime as ort
 
