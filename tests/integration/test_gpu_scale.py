@@ -76,17 +76,23 @@ def test_the_retention_part_measures_the_device_pair_and_each_layout(tmp_path):
         assert float(r["kept_min"]) <= float(r["kept"]) <= float(r["kept_max"])
 
 
+def _profile_with_stand_in_spy(tmp_path, script: str):
+    """Part p's dry run with ``script`` (sh, after the shebang) standing in for py-spy; its out folder."""
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n" + script)
+    spy.chmod(0o755)
+    out = tmp_path / "scale"
+    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", str(spy), duration="1") == 0
+    return out
+
+
 def test_the_profile_part_reads_a_py_spy_profile_whose_bytes_are_not_all_utf8(tmp_path):
     """py-spy's raw output can hold bytes that are not UTF-8 (on the H200 it did, in a native frame's name): part p
     still writes its functions table instead of stopping on a UnicodeDecodeError. The stand-in for py-spy writes one
     such profile (the real one is not installed in CI, and what it samples is not the point here)."""
-    spy = tmp_path / "py-spy"
-    spy.write_text("#!/bin/sh\n"
-                   "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
-                   "printf 'process 1:\"python\";run (batcher/engine_proc.py:1);caf\\377 (lib.so) 7\\n' > \"$out\"\n")
-    spy.chmod(0o755)
-    out = tmp_path / "scale"
-    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", str(spy), duration="1") == 0
+    out = _profile_with_stand_in_spy(tmp_path, "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
+                                     "printf 'process 1:\"python\";run (batcher/engine_proc.py:1);caf\\377 (lib.so) 7\\n'"
+                                     " > \"$out\"\n")
     (row,) = read_csv(out / "scale_p_functions.csv")
     assert row["function"] == "run (batcher/engine_proc.py)" and row["samples"] == "7", row
 
@@ -96,18 +102,14 @@ def test_the_profile_part_records_its_two_py_spy_profiles_at_once_during_the_loa
     the other, the second sampled a server whose load had ended (an empty ``--gil`` profile on the H200). The
     stand-in py-spy writes its profile only once it has seen the other record start (waiting at most 30 s), so
     records run one after the other leave the functions table out and this test fails."""
-    spy = tmp_path / "py-spy"
-    spy.write_text("#!/bin/sh\n"
-                   "gil=0; for a in \"$@\"; do [ \"$a\" = --gil ] && gil=1; done\n"
-                   "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
-                   "dir=$(dirname \"$out\"); touch \"$out.started\"\n"
-                   "if [ $gil = 1 ]; then other=$dir/scale_p_spy.txt.started; else other=$dir/scale_p_spy_gil.txt.started; fi\n"
-                   "i=0; while [ ! -e \"$other\" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\n"
-                   "[ -e \"$other\" ] || exit 1\n"
-                   "printf 'process 1:\"python\";run (batcher/engine_proc.py:1) 7\\n' > \"$out\"\n")
-    spy.chmod(0o755)
-    out = tmp_path / "scale"
-    assert dry_run(out, "r,p", "--profile-seconds", "0.5", "--py-spy", str(spy), duration="1") == 0
+    out = _profile_with_stand_in_spy(
+        tmp_path, "gil=0; for a in \"$@\"; do [ \"$a\" = --gil ] && gil=1; done\n"
+        "while [ $# -gt 0 ]; do [ \"$1\" = --output ] && out=$2; shift; done\n"
+        "dir=$(dirname \"$out\"); touch \"$out.started\"\n"
+        "if [ $gil = 1 ]; then other=$dir/scale_p_spy.txt.started; else other=$dir/scale_p_spy_gil.txt.started; fi\n"
+        "i=0; while [ ! -e \"$other\" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\n"
+        "[ -e \"$other\" ] || exit 1\n"
+        "printf 'process 1:\"python\";run (batcher/engine_proc.py:1) 7\\n' > \"$out\"\n")
     (row,) = read_csv(out / "scale_p_functions.csv")
     assert row["function"] == "run (batcher/engine_proc.py)" and row["samples"] == "7", row
     gil = read_csv(out / "scale_p_gil.csv")
