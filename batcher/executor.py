@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -273,14 +272,14 @@ class DevicePipeline:
         self.context = context
         self.depth = max(1, int(getattr(context, "pipeline_depth", 1)))
         self._pool = pool
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: deque[_Job] = deque()  # staged batches not yet taken by the drain; under _lock
         self._lock = threading.Lock()
         self._active = False  # a drain is submitted to the pool and has not returned
 
     def put(self, job: _Job) -> None:
         """Queue a staged batch (any thread); the context's thread drains the queue."""
         with self._lock:
-            self._jobs.put(job)
+            self._jobs.append(job)
             if self._active:
                 return
             self._active = True
@@ -292,31 +291,18 @@ class DevicePipeline:
         except RuntimeError as exc:  # the context's thread is stopped (released): fail what is queued
             with self._lock:
                 self._active = False
-                jobs = self._take_all()
+                jobs, self._jobs = self._jobs, deque()
             for job in jobs:
                 _post(job, None, exc)
-
-    def _take_all(self) -> list[_Job]:
-        jobs = []
-        while True:
-            try:
-                jobs.append(self._jobs.get_nowait())
-            except queue.Empty:
-                return jobs
 
     def _next(self, may_end: bool) -> _Job | None:
         """The next queued batch; None when there is none now. With ``may_end`` and none queued, the drain ends
         (``_active`` cleared under the lock, so a batch put meanwhile submits a new drain)."""
-        if may_end:
-            with self._lock:
-                try:
-                    return self._jobs.get_nowait()
-                except queue.Empty:
-                    self._active = False
-                    return None
-        try:
-            return self._jobs.get_nowait()
-        except queue.Empty:
+        with self._lock:
+            if self._jobs:
+                return self._jobs.popleft()
+            if may_end:
+                self._active = False
             return None
 
     def _drain(self) -> None:
@@ -335,7 +321,7 @@ class DevicePipeline:
                         log.debug("collecting a batch after %r failed too: %r", exc, failed)
                 _post(job, None, exc)
             with self._lock:
-                self._active = not self._jobs.empty()
+                self._active = bool(self._jobs)
             if self._active:
                 self._submit_drain()
             if not isinstance(exc, Exception):

@@ -160,14 +160,6 @@ class IOBuffers:
             memset_async(dev.ptr + offset, 0, rows.nbytes - offset, stream, f"{name!r} padding")
         return dev
 
-    def download(self, name: str, nbytes: int, stream: Stream) -> None:
-        """Queue ``nbytes`` of ``name``'s device buffer device-to-host into its pinned buffer on ``stream``."""
-        self.device[name].copy_to_host_async(self.pinned[name].ptr, nbytes, stream, repr(name))
-
-    def result(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An owned copy of ``name``'s pinned buffer as ``shape``/``dtype`` (call after the stream synchronized)."""
-        return np.array(self.pinned[name].view(shape, dtype), copy=True)
-
     @property
     def device_nbytes(self) -> int:
         return sum(buf.nbytes for buf in self.device.values())

@@ -170,7 +170,7 @@ class CudaGraphContext(CudaContext):
         if not self._free_slots:
             raise EngineError(f"{self.pipeline_depth} batches launched and not collected")
         slot = self._free_slots.pop(0)
-        pinned = self._buffers.pinned if slot == 0 else self._out_spare[slot - 1]
+        pinned = self._out_buffers(slot)
         queued = False
         try:
             if len(self._free_slots) < self.pipeline_depth - 1 and any(
@@ -212,7 +212,7 @@ class CudaGraphContext(CudaContext):
         if (not 0 <= slot < self.pipeline_depth or slot in self._free_slots
                 or self._generation[slot] != generation):
             raise EngineError(f"output slot {slot} holds no launched batch of this handle")
-        pinned = self._buffers.pinned if slot == 0 else self._out_spare[slot - 1]
+        pinned = self._out_buffers(slot)
         try:
             self._events[slot].synchronize()
             return {spec.name: np.array(pinned[spec.name].view((n, *spec.shape[1:]), self._dtypes[spec.name]),
@@ -223,6 +223,10 @@ class CudaGraphContext(CudaContext):
             raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc
         finally:
             self._free_slots.append(slot)
+
+    def _out_buffers(self, slot: int) -> dict[str, PinnedBuffer]:
+        """Output slot ``slot``'s pinned buffers, by output name."""
+        return self._buffers.pinned if slot == 0 else self._out_spare[slot - 1]
 
     def _launch(self, n: int) -> None:
         """Queue graph ``n`` on the context's stream (ONNX Runtime replays it on ``user_compute_stream``)."""
@@ -278,10 +282,7 @@ class CudaGraphContext(CudaContext):
             EngineError: released, wrong inputs/rows/dtype/dims, or a CUDA/ONNX Runtime failure (the context stays
                 usable).
         """
-        thread = self._thread
-        if thread is None:
-            raise EngineError("execution context was released")
-        return thread.call(self._execute, inputs)
+        return self._on_thread(self._execute, inputs)
 
     #: two batches on the device at once (module docstring): :meth:`launch` the next before collecting the last
     pipeline_depth = 2
@@ -299,10 +300,7 @@ class CudaGraphContext(CudaContext):
         Raises:
             EngineError: as :meth:`execute`, or :attr:`pipeline_depth` batches are launched and not collected.
         """
-        thread = self._thread
-        if thread is None:
-            raise EngineError("execution context was released")
-        return thread.call(self._launch_batch, inputs)
+        return self._on_thread(self._launch_batch, inputs)
 
     def collect(self, launched: tuple[int, int, int]) -> dict[str, np.ndarray]:
         """Wait for a batch of :meth:`launch` (batches finish in launch order) and return its outputs, as
@@ -311,10 +309,14 @@ class CudaGraphContext(CudaContext):
         Raises:
             EngineError: the batch failed on the device, or the handle is not a launched batch's.
         """
+        return self._on_thread(self._collect, launched)
+
+    def _on_thread(self, fn: Callable[[Any], T], arg: Any) -> T:
+        """``fn(arg)`` on the context's thread. Raises EngineError: released."""
         thread = self._thread
         if thread is None:
             raise EngineError("execution context was released")
-        return thread.call(self._collect, launched)
+        return thread.call(fn, arg)
 
     @property
     def executor(self) -> Executor | None:
