@@ -18,6 +18,7 @@ went away), ``dropped`` (multi-process mode: the front-end process holding it di
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -41,6 +42,8 @@ from .topology import uses_gpu
 from .triton_config import PLATFORMS, apply_model_config, model_config_json
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 #: the message a request's task is cancelled with when the front-end process holding it died (counted ``dropped``).
 FRONTEND_LOST = "front end lost"
@@ -112,6 +115,96 @@ class CountedLater:
         count, self._count = self._count, None
         if count is not None:
             count(reason)
+
+
+class Started:
+    """A request :meth:`DataPlane.start_infer` queued: its pins (the model version, shared-memory regions, the
+    drain's count) are given back and its outcome handed over and counted once, when its future settles."""
+
+    __slots__ = ("_dp", "_slot", "_runner", "_received", "_deadline", "_request", "_held", "_pending", "_deliver",
+                 "_fail", "_reason", "_task")
+
+    def __init__(self, dp: DataPlane, slot: ModelSlot, runner: ModelRunner, received: float,
+                 deadline: float | None, request: InferRequest, held: Any, pending: Any,
+                 deliver: Callable[[InferResponse], CountedLater], fail: Callable[[BaseException | None], None]
+                 ) -> None:
+        self._dp, self._slot, self._runner = dp, slot, runner
+        self._received, self._deadline, self._request, self._held = received, deadline, request, held
+        self._pending, self._deliver, self._fail = pending, deliver, fail
+        self._reason = "canceled"
+        self._task: asyncio.Task | None = None
+
+    def cancel(self, reason: str | None = None) -> None:
+        """The client (``reason`` :data:`FRONTEND_LOST`: its front-end process) went away: a queued request is never
+        executed; counted ``canceled`` (``dropped``), unless its outcome was handed over already."""
+        if self._pending is None:  # its outcome was handed over
+            return
+        self._reason = "dropped" if reason == FRONTEND_LOST else "canceled"
+        self._runner.withdraw(self._pending)
+        if self._task is not None:
+            self._task.cancel()
+
+    def _done(self, fut: asyncio.Future) -> None:
+        self._dp.router.release(self._slot)
+        if fut.cancelled():
+            self._end(self._reason, None)
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._end(exc.reason if isinstance(exc, BatcherError) else "other", exc)
+            return
+        outputs = fut.result()
+        held = self._held
+        try:
+            if held is not None and held.writes and not held.write_now(outputs):  # a large output: in a thread
+                self._task = asyncio.get_running_loop().create_task(self._write(outputs))
+                return
+        except BatcherError as exc:  # an output larger than its region
+            self._end(exc.reason, exc)
+            return
+        self._answer(outputs)
+
+    async def _write(self, outputs: dict[str, Any]) -> None:
+        try:
+            await self._held.write(outputs)
+        except asyncio.CancelledError:
+            self._end(self._reason, None)
+            return
+        except BatcherError as exc:
+            self._end(exc.reason, exc)
+            return
+        except Exception as exc:
+            log.exception("model %s: writing an output to shared memory failed", self._slot.name)
+            self._end("other", exc)
+            return
+        self._answer(outputs)
+
+    def _answer(self, outputs: dict[str, Any]) -> None:
+        slot = self._slot
+        try:
+            later = self._deliver(InferResponse(slot.name, slot.version, outputs, self._request, self._deadline))
+        except Exception as exc:  # a bug in the transport
+            log.exception("model %s: handing over an answer failed", slot.name)
+            self._end("other", exc)
+            return
+        self._release()
+        later.bind(partial(self._dp._count, slot, received=self._received))
+
+    def _end(self, reason: str, error: BaseException | None) -> None:
+        """Not answered: count ``reason``, give the pins back, tell the transport."""
+        fail = self._fail
+        self._release()
+        self._dp._count(self._slot, reason, self._received)
+        fail(error)
+
+    def _release(self) -> None:
+        """Give the pins back and drop the request: nothing here keeps its inputs (views of a shared-memory
+        region that its client may unregister next) or the transport's callbacks (which refer back to this)."""
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+        self._pending = self._request = self._deliver = self._fail = None
+        self._dp._inflight.leave()
 
 
 class Inflight:
@@ -273,6 +366,69 @@ class DataPlane:
         else:
             self._count(owner, None, received)
         return answer
+
+    def start_infer(self, model: str, version: str | None, received: float, request: InferRequest,
+                    deliver: Callable[[InferResponse], CountedLater], fail: Callable[[BaseException | None], None]
+                    ) -> Started | None:
+        """:meth:`infer` without a task per request, for a transport that learns each answer's fate later (an
+        engine process, built with ``deliver_checks_deadline``): where nothing needs waiting for before the
+        request is queued, it is routed, checked and queued now, and its outcome is handed over from the end of its
+        batch, on the event loop - ``deliver(response)`` (which returns the :class:`CountedLater` the transport
+        settles), or ``fail(error)`` (``None``: it was cancelled, nobody waits). Counted exactly as by
+        :meth:`infer` (module docstring), on the version that answered.
+
+        Nothing needs waiting for when: the server is ready, the version is READY with no ``fallback``, no
+        version is to be chosen by ``routing.strategy`` (weighted, hash), and every shared-memory region the
+        request names is a system one (:attr:`batcher.shm.Hold.immediate`). Otherwise nothing happened and
+        None is returned: use :meth:`infer`. Measured on the 2-core machine (``python -m bench.engine_ipc``):
+        see the README's "Many front ends" section.
+
+        Args:
+            received: event-loop time the request arrived. request: decoded; its lease is held while queued.
+
+        Returns:
+            a :class:`Started` (its ``cancel()``: the client went away), or None.
+
+        Raises:
+            ModelNotFound (404, nothing counted); the BatcherError that refuses it before it is queued, counted:
+            InvalidInput (400), Unavailable (503: queue full, admission control), DeadlineExceeded (504).
+        """
+        target = self.repository.slot(model, version)
+        if (not self._deliver_checks_deadline or not self.ready or target.state != READY
+                or target.cfg.fallback is not None or target.runner is None
+                or (version is None and self.router.strategy.spreads(request.routing_key))):
+            return None
+        try:
+            held = self.shm.hold(request) if uses_shm(request) else None
+        except BatcherError as exc:  # a region not registered, a tensor outside its region: counted as infer does
+            self._count(target, exc.reason, received)
+            raise
+        if held is not None and not held.immediate:
+            held.release()
+            return None
+        self._inflight.enter()
+        pinned = False
+        try:
+            inputs = held.read_now() if held is not None else request.inputs
+            deadline = request_deadline(received, request.timeout_us, target.cfg.default_timeout_s)
+            pinned = self.router.pin_ready(target)
+            rows = target.signature.check(target.name, inputs)
+            if request.outputs:
+                target.signature.check_outputs(target.name, [o.name for o in request.outputs])
+            runner = target.runner
+            pending = runner.enqueue(inputs, rows=rows, received=received, deadline=deadline,
+                                     priority=request.priority, lease=request.lease)
+        except Exception as exc:
+            if pinned:
+                self.router.release(target)
+            if held is not None:
+                held.release()
+            self._inflight.leave()
+            self._count(target, exc.reason if isinstance(exc, BatcherError) else "other", received)
+            raise
+        started = Started(self, target, runner, received, deadline, request, held, pending, deliver, fail)
+        pending.future.add_done_callback(started._done)
+        return started
 
     def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:
         """The one place an inference outcome is counted: ``reason`` None is a success."""

@@ -46,6 +46,76 @@ from .topology import DeviceOrder, Engine, contexts_on, engine_config, engine_de
 log = logging.getLogger(__name__)
 
 
+class _Request:
+    """One REQ of a front end, from its message to its outcome message (RESULT or ERROR): its input lease (the
+    input block goes back with the outcome, or in a RELEASE once nothing reads it), its count in the status area,
+    and what runs it - a :class:`batcher.dataplane.Started` (``ticket``), or a task for the requests that must wait
+    before they are queued (:meth:`FrontendConnection._infer`)."""
+
+    __slots__ = ("conn", "rid", "lease", "slot", "concluded", "reading", "ticket", "task")
+
+    def __init__(self, conn: FrontendConnection, rid: int, model: str, version: str) -> None:
+        self.conn, self.rid = conn, rid
+        self.concluded = False
+        self.reading = True  # the request's handler may still read the inputs
+        self.lease = Lease(self._inputs_free)
+        self.ticket: Any = None
+        self.task: asyncio.Task | None = None
+        self.slot = conn.server.slot_index.get((model, version), -1)
+        if self.slot >= 0:
+            conn.server.counts[self.slot] += 1
+
+    def _inputs_free(self) -> None:
+        if self.concluded:
+            self.conn.channel.send((RELEASE, self.rid))
+
+    def done_reading(self) -> None:
+        """Nothing here reads the inputs any more (the scheduler's own hold lasts until its batch is done)."""
+        if self.reading:
+            self.reading = False
+            self.lease.release()
+
+    def uncount(self) -> None:
+        """No more work here for it: waiting, running, done."""
+        if self.slot >= 0:
+            self.conn.server.counts[self.slot] -= 1
+            self.slot = -1
+
+    def deliver(self, response: InferResponse) -> CountedLater:
+        """Send the outputs (RESULT); the front end's ACK (or ABORT, or its loss) settles the outcome."""
+        conn = self.conn
+        self.uncount()
+        self.done_reading()
+        entries, blocks = pack_tensors(response.outputs, conn.area, conn.outputs)
+        if blocks:
+            conn.out_blocks[self.rid] = blocks
+        later = conn.acks[self.rid] = CountedLater()
+        conn.channel.send((RESULT, self.rid, response.model_name, response.model_version, entries, response.deadline,
+                           self.lease.free))
+        self.concluded = True
+        self.end()
+        return later
+
+    def fail(self, error: BaseException | None) -> None:
+        """The outcome is ``error`` (None: cancelled, nobody waits for an answer): ERROR, unless one was sent."""
+        self.end()
+        if not self.concluded:
+            self.concluded = True
+            self.conn.channel.send((ERROR, self.rid, None if error is None else error_tuple(error), self.lease.free))
+
+    def end(self) -> None:
+        self.uncount()
+        self.done_reading()
+        self.ticket = self.task = None  # no reference cycle keeps the request's inputs alive
+        self.conn.forget(self.rid)
+
+    def cancel(self, reason: str | None = None) -> None:
+        if self.ticket is not None:
+            self.ticket.cancel(reason)
+        elif self.task is not None:
+            self.task.cancel(reason)
+
+
 class FrontendConnection:
     """One front end's connection: its shared area, its requests in progress and their acknowledgements."""
 
@@ -60,26 +130,28 @@ class FrontendConnection:
         self.area = Area(server.buffer_bytes)
         self.registration = server.register(self.area)
         self.outputs = Allocator(half, server.buffer_bytes - half)
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.requests: dict[int, _Request] = {}  # REQ received, outcome not sent yet
         self.acks: dict[int, CountedLater] = {}  # answers sent (RESULT), not yet acknowledged
         self.out_blocks: dict[int, list[int]] = {}
         self.channel = Channel(self._on_message, self._on_lost)
         self.closed = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is in progress
+        self._idle.set()
 
     # ---------------------------------------------------------------- messages
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == REQ:
-            self.tasks[msg[1]] = asyncio.get_running_loop().create_task(self._infer(*msg[1:]))
+            self._request(*msg[1:])
         elif kind == ACK:  # (ACK, rid, None or the error_tuple the front end answered instead, e.g. 504)
             self._free_outputs(msg[1])
             later = self.acks.pop(msg[1], None)
             if later is not None:
                 later.settle(None if msg[2] is None else msg[2][1])
         elif kind == ABORT:
-            task = self.tasks.get(msg[1])
-            if task is not None:
-                task.cancel()
+            req = self.requests.get(msg[1])
+            if req is not None:
+                req.cancel()
             later = self.acks.pop(msg[1], None)
             if later is not None:
                 later.settle("canceled")
@@ -89,20 +161,49 @@ class FrontendConnection:
         else:
             log.error("%s sent an unknown message kind %r", self.who, kind)
 
+    def _request(self, rid: int, model: str, version: str, received: float, fields: tuple, inputs: list,
+                 failure: Any) -> None:
+        """A REQ: queued at once where nothing needs waiting for (:meth:`DataPlane.start_infer`), else run by a
+        task (:meth:`_infer`)."""
+        req = self.requests[rid] = _Request(self, rid, model, version)
+        self._idle.clear()
+        request = None
+        if failure is None:
+            request = request_from(fields, unpack_tensors(inputs, self.area), req.lease)
+            try:
+                req.ticket = self.dataplane.start_infer(model, version, received, request, req.deliver,
+                                                        req.fail)
+            except BatcherError as exc:
+                req.fail(exc)
+                return
+            except Exception as exc:  # a bug: the front end answers 500
+                log.exception("request %d of %s failed", rid, self.who)
+                req.fail(exc)
+                return
+            if req.ticket is not None:
+                req.done_reading()  # the scheduler holds the lease while it needs the inputs
+                return
+        req.task = asyncio.get_running_loop().create_task(self._infer(req, model, version, received, request,
+                                                                      failure))
+
+    def forget(self, rid: int) -> None:
+        self.requests.pop(rid, None)
+        if not self.requests:
+            self._idle.set()
+
     def _on_lost(self) -> None:
         """The front end is gone: drop its requests (counted ``dropped``); the area goes with the last view."""
-        if self.tasks:
-            log.warning("%s is gone: dropping its %d request(s) in progress", self.who, len(self.tasks))
-        for task in list(self.tasks.values()):
-            task.cancel(FRONTEND_LOST)
+        if self.requests:
+            log.warning("%s is gone: dropping its %d request(s) in progress", self.who, len(self.requests))
+        for req in list(self.requests.values()):
+            req.cancel(FRONTEND_LOST)
         acks, self.acks = self.acks, {}
         for later in acks.values():
             later.settle("dropped")
         asyncio.get_running_loop().create_task(self._close_when_idle())
 
     async def _close_when_idle(self) -> None:
-        if self.tasks:
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self._idle.wait()
         self.server.unregister(self.registration)
         self.area.close()
         self.server.connections.discard(self)
@@ -112,71 +213,34 @@ class FrontendConnection:
         for off in self.out_blocks.pop(rid, ()):
             self.outputs.free(off)
 
-    # ---------------------------------------------------------------- one request
-    async def _infer(self, rid: int, model: str, version: str, received: float, fields: tuple, inputs: list,
+    # ---------------------------------------------------------------- one request, with a task
+    async def _infer(self, req: _Request, model: str, version: str, received: float, request: Any,
                      failure: Any) -> None:
-        send = self.channel.send
-        concluded = False
-        handler_held = True
-
-        def inputs_free() -> None:
-            if concluded:
-                send((RELEASE, rid))
-
-        lease = Lease(inputs_free)
-
-        def release_handler() -> None:  # this handler reads the inputs no more
-            nonlocal handler_held
-            if handler_held:
-                handler_held = False
-                lease.release()
+        """A request that may wait before it is queued (a model loading, a fallback, a CUDA shared-memory
+        region, a version chosen by weight or hash) or that could not be read: :meth:`DataPlane.infer`."""
 
         async def read():
             if failure == CANCELED:
                 raise asyncio.CancelledError()
             if failure is not None:
                 raise RemoteError(*failure)
-            return request_from(fields, unpack_tensors(inputs, self.area), lease)
-
-        counts, slot = self.server.counts, self.server.slot_index.get((model, version), -1)
-        if slot >= 0:
-            counts[slot] += 1
-
-        def uncount() -> None:  # no more work here: waiting, running, done
-            nonlocal slot
-            if slot >= 0:
-                counts[slot] -= 1
-                slot = -1
+            return request
 
         async def deliver(response: InferResponse) -> CountedLater:
-            nonlocal concluded
-            uncount()
-            release_handler()
-            entries, blocks = pack_tensors(response.outputs, self.area, self.outputs)
-            if blocks:
-                self.out_blocks[rid] = blocks
-            later = self.acks[rid] = CountedLater()  # the ACK (or ABORT, or the front end's loss) settles it
-            send((RESULT, rid, response.model_name, response.model_version, entries, response.deadline, lease.free))
-            concluded = True
-            return later
+            return req.deliver(response)
 
-        outcome: Any = None
+        error: BaseException | None = None
         try:
             await self.dataplane.infer(model, version, received, read, deliver)
         except BatcherError as exc:
-            outcome = error_tuple(exc)
+            error = exc
         except asyncio.CancelledError:
-            outcome = None  # nobody waits for an answer: the client or its front end is gone
+            error = None  # nobody waits for an answer: the client or its front end is gone
         except Exception as exc:  # a bug: the front end answers 500
-            log.exception("request %d of %s failed", rid, self.who)
-            outcome = error_tuple(exc)
+            log.exception("request %d of %s failed", req.rid, self.who)
+            error = exc
         finally:
-            uncount()
-            self.tasks.pop(rid, None)
-            release_handler()
-            if not concluded:
-                concluded = True
-                send((ERROR, rid, outcome, lease.free))
+            req.fail(error)
 
     async def _call(self, cid: int, method: str, args: tuple, kwargs: dict) -> None:
         """A public data-plane method for the front end (metadata, statistics, repository, shared memory, ...)."""

@@ -1,10 +1,10 @@
 """The wire between a front-end process and an engine process: framed messages over a Unix socket, and the
 shared memory that request and response tensors travel through.
 
-* **Messages** are pickled tuples (small: ids, names, shapes, offsets; tensors under :data:`INLINE_BYTES` ride
-  inline), each framed by a 4-byte little-endian length, over an asyncio Unix-socket transport
-  (:class:`Channel`). Messages sent in one event-loop iteration leave in one write, so one batch's answers to
-  one front end cost one system call. A peer that dies closes the socket: the other side learns it at once
+* **Messages** are tuples (small: ids, names, shapes, offsets; tensors under :data:`INLINE_BYTES` ride
+  inline) over an asyncio Unix-socket transport (:class:`Channel`). The messages sent in one event-loop
+  iteration leave together, as one pickled list framed by a 4-byte little-endian length, in one write: one
+  batch's answers to one front end cost one ``pickle.dumps``, one ``pickle.loads`` and one system call. A peer that dies closes the socket: the other side learns it at once
   (:meth:`Channel.connection_lost`), which is how an engine drops a dead front end's requests and a front end
   answers 503 for a dead engine.
 * **Shared memory** (:class:`Area`): one ``memfd_create`` mapping per connection, made by the engine process and
@@ -145,7 +145,7 @@ class Channel(asyncio.Protocol):
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray()
-        self._out: list[bytes] = []
+        self._out: list[Any] = []  # messages queued in this loop iteration
         self.closed = False
 
     # ---------------------------------------------------------------- asyncio.Protocol
@@ -156,20 +156,23 @@ class Channel(asyncio.Protocol):
         buf = self._buf
         buf += data
         pos, end = 0, len(buf)
-        messages = []
+        frames = []
         with memoryview(buf) as view:
             while end - pos >= 4:
                 (n,) = _LEN.unpack_from(buf, pos)
                 if end - pos - 4 < n:
                     break
-                messages.append(pickle.loads(view[pos + 4:pos + 4 + n]))
+                frames.append(pickle.loads(view[pos + 4:pos + 4 + n]))
                 pos += 4 + n
         del buf[:pos]
-        for message in messages:
-            try:
-                self._on_message(message)
-            except Exception:  # a bug in a handler: log it, keep the connection
-                log.exception("handling message %r failed", message[:2] if isinstance(message, tuple) else message)
+        on_message = self._on_message
+        for messages in frames:
+            for message in messages:
+                try:
+                    on_message(message)
+                except Exception:  # a bug in a handler: log it, keep the connection
+                    log.exception("handling message %r failed",
+                                  message[:2] if isinstance(message, tuple) else message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:
@@ -179,19 +182,32 @@ class Channel(asyncio.Protocol):
 
     # ---------------------------------------------------------------- sending
     def send(self, message: Any) -> None:
-        """Queue ``message``; everything queued in this loop iteration is written together. Dropped when closed."""
+        """Queue ``message``; everything queued in this loop iteration is pickled and written together. Dropped
+        when closed. A message that cannot be pickled is logged and dropped at the flush, alone."""
         if self.closed:
             return
-        payload = pickle.dumps(message, protocol=5)
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(_LEN.pack(len(payload)))
-        self._out.append(payload)
+        self._out.append(message)
 
     def _flush(self) -> None:
-        if self._out and not self.closed and self._transport is not None:
-            self._transport.write(b"".join(self._out))
-        self._out.clear()
+        out, self._out = self._out, []
+        if not out or self.closed or self._transport is None:
+            return
+        try:
+            payload = pickle.dumps(out, protocol=5)
+        except Exception:  # a bug: find the message, send the others
+            good = []
+            for m in out:
+                try:
+                    pickle.dumps(m, protocol=5)
+                    good.append(m)
+                except Exception:
+                    log.exception("cannot send message %r", m[:2] if isinstance(m, tuple) else m)
+            if not good:
+                return
+            payload = pickle.dumps(good, protocol=5)
+        self._transport.write(_LEN.pack(len(payload)) + payload)
 
     def close(self) -> None:
         """Write what is queued, then close the connection (``on_lost`` follows)."""

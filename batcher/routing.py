@@ -52,9 +52,7 @@ class Router:
                 unloaded, load failed, shutting down. DeadlineExceeded: 504 - the load outlasted the deadline.
         """
         cfg = slot.cfg
-        if slot.state == READY and cfg.fallback is None:  # the common case, without another coroutine
-            slot.inflight += 1
-            slot.last_used = asyncio.get_running_loop().time()
+        if self.pin_ready(slot):  # the common case, without another coroutine
             return slot
         if allow_fallback and cfg.fallback is not None:
             fallback = self.repository.slot(cfg.fallback)
@@ -67,6 +65,15 @@ class Router:
                 log.debug("model %s unavailable (%s), routing to fallback %s", slot.name, exc.message, cfg.fallback)
                 return await self.acquire(fallback, deadline, allow_fallback=False)
         return await self._ready(slot, deadline)
+
+    def pin_ready(self, slot: ModelSlot) -> bool:
+        """:meth:`acquire` where it needs no wait: pins ``slot`` and returns True when it is READY and has no
+        fallback (pair with :meth:`release`); False, and nothing pinned, otherwise."""
+        if slot.state == READY and slot.cfg.fallback is None:
+            slot.inflight += 1
+            slot.last_used = asyncio.get_running_loop().time()
+            return True
+        return False
 
     async def _ready(self, slot: ModelSlot, deadline: float | None) -> ModelSlot:
         repo = self.repository

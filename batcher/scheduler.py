@@ -145,7 +145,7 @@ class ModelRunner:
 
     async def infer(self, inputs: dict[str, np.ndarray], *, rows: int, received: float,
                     deadline: float | None = None, priority: int | None = None, lease: Lease | None = None) -> dict:
-        """Queue one validated request and wait for its outputs.
+        """Queue one validated request and wait for its outputs (:meth:`enqueue`, then its future).
 
         Args:
             inputs: inputs validated against the signature (:meth:`ModelSignature.check`), first dim ``rows``.
@@ -162,6 +162,22 @@ class ModelRunner:
                 deadline (503 + Retry-After from the estimated drain time). DeadlineExceeded: deadline passed
                 (504). ExecutionFailed: engine error for its batch (500). CancelledError: the caller was
                 cancelled (a queued request is then never executed).
+        """
+        p = self.enqueue(inputs, rows=rows, received=received, deadline=deadline, priority=priority, lease=lease)
+        try:
+            return await p.future
+        except asyncio.CancelledError:
+            self.withdraw(p)
+            raise
+
+    def enqueue(self, inputs: dict[str, np.ndarray], *, rows: int, received: float, deadline: float | None = None,
+                priority: int | None = None, lease: Lease | None = None) -> Pending:
+        """Queue one validated request without waiting (arguments as :meth:`infer`'s). Its ``future`` is settled
+        exactly once, with what :meth:`infer` returns or raises; a caller that stops waiting for it cancels it
+        with :meth:`withdraw`.
+
+        Raises:
+            Unavailable, DeadlineExceeded: as :meth:`infer`, before anything is queued.
         """
         if self._closing:
             raise Unavailable(f"model '{self.name}' is shutting down")
@@ -191,12 +207,15 @@ class ModelRunner:
         if arrival_may_end_window(now, self._window_end, deadline, self._queued_rows, self._max_batch, self._preferred,
                                   self._levels):
             self._wakeup.set()
-        try:
-            return await p.future
-        except asyncio.CancelledError:
-            if p.state is State.QUEUED:  # the client went away while queued: never execute it
-                self._settle_queued(p)
-            raise
+        return p
+
+    def withdraw(self, p: Pending) -> None:
+        """The caller no longer waits for ``p`` (its client went away): a request still queued is never executed;
+        one whose batch executes has its rows discarded. Its future is cancelled if not settled yet."""
+        if p.state is State.QUEUED:
+            self._settle_queued(p)
+        if not p.future.done():
+            p.future.cancel()
 
     def _admit(self, now: float, deadline: float, rows: int) -> None:
         verdict, drain = admission(now, deadline, rows, self._queued_rows + self._executing_rows, self.times,

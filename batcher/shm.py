@@ -249,12 +249,55 @@ class Hold:
         self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         return await asyncio.shield(self._busy)
 
+    @property
+    def immediate(self) -> bool:
+        """Whether every region it holds is read and written on the event loop, without waiting (system regions:
+        :meth:`read_now`, :meth:`write_now`); CUDA regions copy in worker threads."""
+        return not any(region.blocking for region in self._regions.values())
+
+    def read_now(self) -> dict[str, np.ndarray]:
+        """:meth:`inputs` of an :attr:`immediate` hold, at once (system reads are views). Raises as :meth:`inputs`;
+        RuntimeError: the hold is not immediate."""
+        if not self.immediate:
+            raise RuntimeError("a CUDA shared memory region is read in a worker thread (Hold.inputs)")
+        inputs = self._request.inputs
+        if not self._regions:
+            return inputs  # type: ignore[return-value]
+        out = dict(inputs)
+        loop = asyncio.get_running_loop()
+        for name, t in inputs.items():
+            if isinstance(t, ShmInput):
+                out[name] = self._regions[t.ref.region].read(t.ref, t.datatype, t.shape, f"input '{name}'", loop)
+        return out
+
+    def write_now(self, outputs: dict[str, np.ndarray]) -> bool:
+        """:meth:`write` at once where it costs no wait (system regions, each output at most ``OFFLOAD_BYTES``):
+        True, written; False, nothing written (use :meth:`write`). Raises as :meth:`write`, nothing written."""
+        todo = []
+        for o in self._request.outputs or ():
+            if o.shm is None:
+                continue
+            data = tensor_bytes(outputs[o.name])
+            ref: ShmRef = o.shm
+            if data.nbytes > ref.byte_size:
+                raise InvalidInput(f"output '{o.name}' needs {data.nbytes} bytes, shared_memory_byte_size of region "
+                                   f"'{ref.region}' is {ref.byte_size}")
+            region = self._regions[ref.region]
+            if region.blocking or data.nbytes > OFFLOAD_BYTES:
+                return False
+            todo.append((region, ref.offset, data))
+        for region, offset, data in todo:
+            region.write(offset, data)
+        return True
+
     async def inputs(self) -> dict[str, np.ndarray]:
         """The request's inputs with every :class:`~batcher.protocol.ShmInput` read from its region (module
         docstring: copies). Raises InvalidInput: BYTES or BOOL data that does not parse, a CUDA copy refused."""
         inputs = self._request.inputs
         if not self._regions:
             return inputs  # type: ignore[return-value]
+        if self.immediate:
+            return self.read_now()
         out = dict(inputs)
         for name, t in inputs.items():
             if isinstance(t, ShmInput):
@@ -273,6 +316,8 @@ class Hold:
         Raises:
             InvalidInput: an output larger than its ``shared_memory_byte_size``; a CUDA copy refused.
         """
+        if self.write_now(outputs):
+            return
         for o in self._request.outputs or ():
             if o.shm is None:
                 continue

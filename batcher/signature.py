@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -134,6 +135,20 @@ class ModelSignature:
         if not self.batched:
             self._check_inputs(model, inputs, 0)
             return 1
+        fixed = self._fixed_inputs
+        if fixed is not None and len(inputs) == len(fixed):  # the common case in a few comparisons
+            rows = -1
+            for name, dtype, tail in fixed:
+                arr = inputs.get(name)
+                if type(arr) is not np.ndarray or arr.dtype != dtype or arr.shape[1:] != tail:
+                    break
+                if rows < 0:
+                    rows = arr.shape[0]
+                elif arr.shape[0] != rows:
+                    break
+            else:
+                if 0 < rows <= self.max_batch_size:
+                    return rows
         self._check_inputs(model, inputs, 1)
         rows = None
         for spec in self.inputs:
@@ -149,6 +164,14 @@ class ModelSignature:
                 f"model '{model}': request of {rows} rows exceeds max_batch_size {self.max_batch_size}"
             )
         return rows
+
+    @cached_property
+    def _fixed_inputs(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...] | None:
+        """``(name, dtype, dims past the batch dim)`` of every input when none is BYTES and all their dims past the
+        batch dim are fixed (:meth:`check` then needs a few comparisons); None otherwise."""
+        if not self.batched or any(s.datatype == "BYTES" or -1 in s.shape[1:] for s in self.inputs):
+            return None
+        return tuple((s.name, NUMPY_DTYPES[s.datatype], tuple(s.shape[1:])) for s in self.inputs)
 
     def _check_inputs(self, model: str, inputs: dict[str, np.ndarray], skip: int) -> None:
         """Names, datatypes, ranks, the fixed dims from dim ``skip`` on (1: past the batch dim), and UTF-8 BYTES

@@ -148,6 +148,28 @@ def test_a_model_with_a_fixed_first_dim_is_served_without_a_batch_dim():
         ModelSignature.build(ProfileEngine(None, shape=()), _model(), "m")
 
 
+def test_fixed_dims_are_checked_in_a_few_comparisons_and_every_refusal_keeps_its_message():
+    """A model whose dims past the batch dim are all fixed takes check()'s short path; whatever it does not
+    accept falls through to the full check, so the message is the one every other model gets."""
+    sig = ModelSignature.build(ProfileEngine(None, shape=(-1, 3)), _model(max_batch_size=4), "m")
+    assert sig._fixed_inputs == (("x", np.dtype(np.float32), (3,)),)
+    assert [sig.check("m", {"x": np.zeros((n, 3), np.float32)}) for n in (1, 4)] == [1, 4]
+    refusals = [
+        ({"x": np.zeros((2, 3), np.float64)}, "datatype FP64 does not match the model's FP32"),
+        ({"x": np.zeros((2, 4), np.float32)}, r"shape \[2, 4\] does not match the model's \[-1, 3\]"),
+        ({"x": np.zeros((2, 3, 1), np.float32)}, r"shape \[2, 3, 1\] does not match"),
+        ({"x": np.zeros((0, 3), np.float32)}, "the batch dimension must be at least 1, got 0"),
+        ({"x": np.zeros((5, 3), np.float32)}, "request of 5 rows exceeds max_batch_size 4"),
+        ({"z": np.zeros((1, 3), np.float32)}, "unknown input 'z'"),
+        ({"x": np.zeros((1, 3), np.float32), "z": np.zeros((1, 3), np.float32)}, "unknown input 'z'"),
+    ]
+    for inputs, message in refusals:
+        with pytest.raises(InvalidInput, match=message):
+            sig.check("m", inputs)
+    # a dim left open, or BYTES: the full check every time
+    assert ModelSignature.build(ProfileEngine(None), _model(), "m")._fixed_inputs is None
+
+
 def test_declared_dims_narrow_and_must_agree_with_the_model():
     sig = ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims": [3, 48, -1]}]), "m")
     assert sig.inputs[0].shape == (-1, 3, 48, -1)

@@ -10,7 +10,7 @@ import pytest
 from fakes import FakeLoader, SleepExecutor, rows
 
 from batcher.config import parse_config
-from batcher.dataplane import DataPlane
+from batcher.dataplane import FRONTEND_LOST, CountedLater, DataPlane
 from batcher.errors import DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
 from batcher.metrics import Metrics
 from batcher.protocol import InferRequest, InferResponse
@@ -19,12 +19,14 @@ from batcher.repository import ModelRepository
 pytestmark = pytest.mark.looptime
 
 
-async def plane(models: list[dict] | None = None, start: bool = True, **server) -> DataPlane:
+async def plane(models: list[dict] | None = None, start: bool = True, later: bool = False, **server) -> DataPlane:
+    """``later``: a data plane whose transport learns each answer's fate later (an engine process's)."""
     models = models or [{"name": "m", "max_batch_size": 8}]
     config = parse_config({"server": server, "models": [{"path": "unused.onnx", **m} for m in models]})
     metrics = Metrics()
     dp = DataPlane(config, metrics, ModelRepository(config, metrics, loader=FakeLoader()),
-                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=0.010))
+                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=0.010),
+                   deliver_checks_deadline=later)
     if start:
         await dp.start()
     return dp
@@ -226,4 +228,146 @@ async def test_a_config_that_does_not_load_leaves_the_model_as_it_was():
     with pytest.raises(InvalidInput, match="fields this server does not support: optimization"):
         await dp.load("m", {"optimization": {"priority": "PRIORITY_MAX"}})
     assert (await dp.infer("m", None, now(), reader(InferRequest(rows(8))), passthrough)).outputs["y"].shape == (8, 4)
+    await dp.close()
+
+
+# ---------------------------------------------------------------------------------------------- start_infer
+class Outcome:
+    """The two callbacks of :meth:`DataPlane.start_infer` and what they were called with."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+
+    def deliver(self, response: InferResponse) -> CountedLater:
+        later = CountedLater()
+        self.done.set_result(("answer", response, later))
+        return later
+
+    def fail(self, error: BaseException | None) -> None:
+        self.done.set_result(("error", error, None))
+
+
+def start(dp: DataPlane, request: InferRequest, model: str = "m", version: str | None = None):
+    out = Outcome()
+    return dp.start_infer(model, version, now(), request, out.deliver, out.fail), out
+
+
+async def test_start_infer_queues_without_a_task_and_counts_once_the_transport_settles():
+    dp = await plane(later=True)
+    tasks = len(asyncio.all_tasks())
+    ticket, out = start(dp, InferRequest(rows(2, 3.0)))
+    assert ticket is not None and len(asyncio.all_tasks()) == tasks  # queued; no task of its own
+    kind, response, later = await out.done
+    assert kind == "answer" and (response.model_name, response.model_version) == ("m", "1")
+    np.testing.assert_array_equal(response.outputs["y"], np.full((2, 4), 6.0, np.float32))
+    assert counts(dp)["success"] == 0  # not before the transport says it was delivered
+    later.settle(None)
+    later.settle("timeout")  # only the first settle counts
+    c = counts(dp)
+    assert (c["success"], c["timeout"], c["stats_success"], c["stats_fail"]) == (1, 0, 1, 0)
+    _, out2 = start(dp, InferRequest(rows(1)))
+    (await out2.done)[2].settle("timeout")  # the front end found it too late
+    assert counts(dp)["timeout"] == 1
+    await dp.close()
+
+
+async def test_start_infer_counts_every_refusal_and_failure_as_infer_does():
+    dp = await plane([{"name": "m", "max_batch_size": 8, "dynamic_batching": {"default_queue_policy":
+                                                                                {"max_queue_size": 1}}}], later=True)
+    with pytest.raises(InvalidInput, match="does not match"):
+        start(dp, InferRequest({"x": np.ones((1, 5), np.float32)}))
+    with pytest.raises(InvalidInput, match="exceeds max_batch_size"):
+        start(dp, InferRequest(rows(9)))
+    with pytest.raises(ModelNotFound):
+        start(dp, InferRequest(rows(1)), model="nope")
+    first, out1 = start(dp, InferRequest(rows(1)))
+    with pytest.raises(Unavailable, match="queue is full"):
+        start(dp, InferRequest(rows(1)))
+    assert (await out1.done)[0] == "answer"
+    # a deadline that passes in the queue: 504 handed to fail(), counted timeout
+    blocker, _ = start(dp, InferRequest(rows(8)))  # 80 ms of batch ahead
+    await asyncio.sleep(0.001)
+    _, late = start(dp, InferRequest(rows(1), timeout_us=20_000))
+    kind, error, _ = await late.done
+    assert kind == "error" and isinstance(error, DeadlineExceeded)
+    c = counts(dp)
+    assert (c["invalid"], c["rejected"], c["timeout"], c["success"]) == (2, 1, 1, 0)
+    assert c["stats_fail"] == 4
+    assert dp.repository.slot("m").inflight == 1  # the blocker's pin only
+    await dp.close()
+
+
+async def test_a_started_request_whose_client_leaves_never_executes_and_is_counted_canceled_or_dropped():
+    dp = await plane(later=True)
+    blocker, _ = start(dp, InferRequest(rows(8)))
+    await asyncio.sleep(0.001)  # the blocker's batch executes: the next ones wait in the queue
+    left, out_left = start(dp, InferRequest(rows(1)))
+    lost, out_lost = start(dp, InferRequest(rows(1)))
+    left.cancel()
+    lost.cancel(FRONTEND_LOST)
+    assert [(await o.done)[:2] for o in (out_left, out_lost)] == [("error", None), ("error", None)]
+    await asyncio.sleep(1.0)
+    runner = dp.repository.slot("m").runner
+    assert runner.stats.inference_count == 8  # the blocker's rows only: the two never executed
+    sample = dp.metrics.registry.get_sample_value
+    labels = {"model": "m", "version": "1"}
+    assert sample("batcher_request_failure_total", {**labels, "reason": "canceled"}) == 1
+    assert sample("batcher_request_failure_total", {**labels, "reason": "dropped"}) == 1
+    assert dp._inflight.count == 0 and dp.repository.slot("m").inflight == 0
+    await dp.close()
+
+
+async def test_start_infer_declines_what_must_wait_and_infer_serves_it():
+    """Not ready, a model still to load, a fallback, or a transport that does not check deadlines itself: None,
+    nothing counted, and infer() serves the request as ever."""
+    single = await plane()  # single-process mode: deliver does not check deadlines
+    assert start(single, InferRequest(rows(1)))[0] is None
+    await single.close()
+    dp = await plane([{"name": "m", "max_batch_size": 8}, {"name": "f", "max_batch_size": 8, "fallback": "m"}],
+                     later=True, load_strategy="lazy")
+    assert start(dp, InferRequest(rows(1)))[0] is None  # not loaded yet: infer loads it
+    assert start(dp, InferRequest(rows(1)), model="f")[0] is None  # a fallback is chosen by infer
+    assert (await dp.infer("m", None, now(), reader(InferRequest(rows(1))), passthrough)).model_name == "m"
+    assert start(dp, InferRequest(rows(1)))[0] is not None  # loaded now
+    c = counts(dp)
+    assert (c["success"], c["stats_fail"]) == (1, 0)
+    await dp.close()
+    stopped = await plane(later=True, start=False)
+    assert start(stopped, InferRequest(rows(1)))[0] is None  # not started: infer answers 503 and counts it
+    await stopped.close()
+
+
+async def test_the_drain_waits_for_started_requests():
+    dp = await plane(later=True)
+    ticket, out = start(dp, InferRequest(rows(4)))
+    drain = asyncio.ensure_future(dp.drain(grace_s=30))
+    t0 = now()
+    await drain
+    assert now() - t0 == pytest.approx(0.040)  # its batch: 4 rows of 10 ms
+    assert out.done.done() and out.done.result()[0] == "answer"
+    assert start(dp, InferRequest(rows(1)))[0] is None  # draining: infer answers 503
+    await dp.close()
+
+
+async def test_nothing_keeps_a_started_requests_inputs_once_its_outcome_is_handed_over():
+    """The inputs may be views of a client's shared-memory region, which it may unregister at once: no reference
+    cycle (the transport's callbacks refer back to the request) may keep them until a garbage collection."""
+    import gc
+    import weakref
+
+    dp = await plane(later=True)
+    gc.disable()
+    try:
+        x = rows(2)["x"]
+        alive = weakref.ref(x)
+        ticket, out = start(dp, InferRequest({"x": x}))
+        out.ticket = ticket  # as an engine's request refers to its ticket, whose callbacks refer to the request
+        del x
+        kind, response, later = await out.done
+        later.settle(None)
+        del response, later, ticket, out
+        await asyncio.sleep(0)
+        assert alive() is None
+    finally:
+        gc.enable()
     await dp.close()

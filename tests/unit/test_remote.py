@@ -156,6 +156,28 @@ async def test_a_request_crosses_through_the_shared_area_and_is_counted_once_by_
         assert engine.count(reason="invalid") == 1 and engine.rows_run == AREA_ROWS
 
 
+async def test_the_engine_queues_a_ready_models_request_at_once_and_one_that_must_wait_in_a_task():
+    """A READY model's request is queued from its message (no task of its own: DataPlane.start_infer); one that
+    must wait first (a lazy model not loaded yet) runs in a task; both answer and count the same."""
+    async with served([{"name": "m", "max_batch_size": 64}], server={"load_strategy": "lazy"}) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()
+        conn = next(iter(engine.server.connections))
+        first = asyncio.create_task(remote.infer("m", None, now(), read(request(1, 1.0)), copy_out))
+        assert await eventually(lambda: len(conn.requests) == 1)
+        (req,) = conn.requests.values()
+        assert req.task is not None and req.ticket is None  # the model loads first
+        assert await eventually(lambda: engine.dataplane.repository.slot("m").state == "READY")
+        second = asyncio.create_task(remote.infer("m", None, now(), read(request(1, 2.0)), copy_out))
+        assert await eventually(lambda: len(conn.requests) == 2)
+        req2 = next(r for r in conn.requests.values() if r is not req)
+        assert req2.ticket is not None and req2.task is None
+        engine.gate.set()
+        outputs = [(await t)[2] for t in (first, second)]
+        assert [o.tolist() for o in outputs] == [[[2.0] * 4], [[4.0] * 4]]
+        assert await eventually(lambda: engine.count() == 2 and not conn.requests)
+
+
 async def test_an_input_block_is_reused_only_after_the_batch_reading_it_is_done():
     """A request answered 504 while its batch executes: the batch still reads its inputs, so its block stays taken
     until the batch ends (then RELEASE gives it back) - the bug of vLLM #24655 cannot happen."""
@@ -220,7 +242,7 @@ async def test_an_answer_sent_but_not_acknowledged_is_settled_by_abort_or_by_the
 
         quitter = asyncio.create_task(remote.infer("m", None, now(), read(request(1)), stuck))
         await delivering.wait()
-        assert not engine.server.connections.copy().pop().tasks  # the engine's task is done, the ACK is due
+        assert not engine.server.connections.copy().pop().requests  # the engine is done with it, the ACK is due
         quitter.cancel()  # the client goes away while its answer is being written: ABORT
         with pytest.raises(asyncio.CancelledError):
             await quitter

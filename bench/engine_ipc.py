@@ -1,0 +1,188 @@
+"""The engine process alone: how many requests per second one engine process of multi-process mode serves, and
+its CPU per request, when driver processes speak its Unix-socket protocol directly (no HTTP, no codec).
+
+Each driver process holds one connection (as a front end does: :class:`batcher.remote.EngineLink`) and keeps
+``--concurrency`` requests outstanding, closed loop: submit, await the answer, acknowledge, submit again. Tensors
+of 64 KiB or more go through the connection's shared area, as from a real front end. The engine process is the
+real one (:func:`batcher.engine_proc.engine_main`), started as the supervisor starts it.
+
+It prints, and saves as CSV (``--out``):
+
+* ``req_per_s``: answered requests per second over the measured window, all drivers together;
+* ``engine_cpu_us_per_req``: the engine process's CPU (user + system, every thread) per answered request;
+* ``loop_cpu_us_per_req``: the engine's main thread (the event loop: IPC, the data plane, the batcher) per
+  request: the part that bounds an engine process whose contexts are fast (:mod:`bench.gpu_scale` part p);
+* ``loop_busy``: the main thread's CPU seconds per second (1.0: the event loop is saturated);
+* ``avg_batch``: requests per executed batch (the engine's own counters).
+
+    python -m bench.engine_ipc                                  # trivial model, CPU, 2 drivers x 64
+    python -m bench.engine_ipc --model resnet18 --kind gpu --drivers 8 --concurrency 64
+
+The request is one row of the model's input (FP32 zeros; the trivial model's ``[1, 4]`` rides inline, resnet18's
+``[1, 3, 224, 224]`` 602 KB through shared memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.scripts import script_parser
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` (``/proc/<pid>/task/*/stat``)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, concurrency: int,
+            warmup_s: float, duration_s: float, result) -> None:
+    """One driver process: one connection, ``concurrency`` closed-loop requests; sends (answered, errors) of the
+    measured window."""
+    from batcher.config import parse_config
+    from batcher.protocol import InferRequest
+    from batcher.remote import EngineLink
+    from batcher.topology import engine_slots, engines
+
+    config = parse_config(config_data)
+    cfg = next(m for m in config.models if m.name == model)
+    engine = engines(config)[0]
+    x = np.zeros(shape, np.float32)
+
+    async def main():
+        link = EngineLink(engine, path, engine_slots(config, engine))
+        await link.connect()
+        loop = asyncio.get_running_loop()
+        start = loop.time() + warmup_s
+        end = start + duration_s
+        counts = [0, 0]
+        rid = iter(range(1 << 62))
+
+        async def client():
+            while loop.time() < end:
+                r = next(rid)
+                t0 = loop.time()
+                msg = await link.submit(r, cfg, t0, InferRequest(inputs={name: x}), None)
+                link.outputs(msg[4]) if msg[0] == 11 else None
+                link.ack(r)
+                if t0 >= start and loop.time() < end:
+                    counts[0 if msg[0] == 11 else 1] += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await link.close()
+        return counts
+
+    result.send(asyncio.run(main()))
+
+
+def run(args) -> dict:
+    from batcher.config import parse_config
+    from batcher.engine_proc import engine_main
+    from batcher.topology import engines
+
+    models_dir = Path(tempfile.mkdtemp(prefix="engine-ipc-"))
+    if args.model == "trivial":
+        from bench.mlp import write_trivial
+
+        path, shape, inp = str(write_trivial(models_dir / "trivial.onnx")), (1, 4), "x"
+    else:
+        path, shape, inp = f"zoo:{args.model}", (1, 3, 224, 224), "input"
+    model = {"name": args.model, "path": path, "instance_group": [{"count": args.contexts, "kind": f"KIND_{args.kind.upper()}"}],
+             "max_batch_size": args.max_batch,
+             "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us,
+                                  "default_queue_policy": {"max_queue_size": 8192}}}
+    data = {"server": {"frontends": 1, "event_loop": args.event_loop}, "models": [model]}
+    config = parse_config(data)
+    engine = engines(config)[0]
+    sock = os.path.join(str(models_dir), "engine.sock")
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=engine_main, args=(config, engine, sock, "warning", w))
+    proc.start()
+    w.close()
+    if not r.poll(600):
+        raise RuntimeError("the engine process did not report ready")
+    kind, what = r.recv()
+    if kind != "ready":
+        raise RuntimeError(f"the engine process failed: {what}")
+    try:
+        pipes, drivers = [], []
+        for _ in range(args.drivers):
+            pr, pw = ctx.Pipe(duplex=False)
+            d = ctx.Process(target=_driver, args=(sock, data, args.model, inp, shape, args.concurrency, args.warmup,
+                                                  args.duration, pw), daemon=True)
+            d.start()
+            pipes.append(pr)
+            drivers.append(d)
+        time.sleep(args.warmup)  # the drivers connect and warm up; then the window they count
+        cpu0, t0 = thread_cpu(proc.pid), time.monotonic()
+        time.sleep(args.duration)
+        cpu1, t1 = thread_cpu(proc.pid), time.monotonic()
+        counts = [p.recv() for p in pipes]
+        for d in drivers:
+            d.join(30)
+    finally:
+        os.kill(proc.pid, 15)
+        proc.join(60)
+    answered = sum(c[0] for c in counts)
+    errors = sum(c[1] for c in counts)
+    main_tid = proc.pid
+    total = sum(cpu1.get(t, 0.0) - cpu0.get(t, 0.0) for t in cpu1)
+    loop_cpu = cpu1.get(main_tid, 0.0) - cpu0.get(main_tid, 0.0)
+    span = t1 - t0
+    return {"model": args.model, "kind": args.kind, "event_loop": args.event_loop, "drivers": args.drivers, "concurrency": args.concurrency,
+            "req_per_s": round(answered / args.duration, 1), "errors": errors,
+            "engine_cpu_us_per_req": round(total / max(answered, 1) * 1e6, 1),
+            "loop_cpu_us_per_req": round(loop_cpu / max(answered, 1) * 1e6, 1),
+            "loop_busy": round(loop_cpu / span, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = script_parser("bench.engine_ipc", __doc__)
+    p.add_argument("--model", default="trivial", help="trivial (bench/mlp.py's y = x + 1) or a zoo model")
+    p.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--contexts", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--delay-us", type=int, default=200)
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the engine's server.event_loop (the drivers run asyncio)")
+    p.add_argument("--drivers", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=64, help="outstanding requests per driver")
+    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="CSV file to write (default: print only)")
+    args = p.parse_args(argv)
+    rows = []
+    for i in range(args.rounds):
+        row = {"round": i + 1, **run(args)}
+        rows.append(row)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
