@@ -131,13 +131,14 @@ class Started:
         self._dp, self._slot, self._runner = dp, slot, runner
         self._received, self._deadline, self._request, self._held = received, deadline, request, held
         self._pending, self._deliver, self._fail = pending, deliver, fail
-        self._reason = "canceled"
+        self._reason: str | None = None  # set by cancel(): how the request ends, whatever its batch did
         self._task: asyncio.Task | None = None
 
     def cancel(self, reason: str | None = None) -> None:
         """The client (``reason`` :data:`FRONTEND_LOST`: its front-end process) went away: a queued request is never
-        executed; counted ``canceled`` (``dropped``), unless its outcome was handed over already."""
-        if self._pending is None:  # its outcome was handed over
+        executed; counted ``canceled`` (``dropped``) and ended without an answer - also when its batch has ended
+        and the answer is not handed over yet - unless its outcome was handed over already."""
+        if self._pending is None or self._reason is not None:  # its outcome was handed over, or cancelled before
             return
         self._reason = "dropped" if reason == FRONTEND_LOST else "canceled"
         self._runner.withdraw(self._pending)
@@ -146,8 +147,8 @@ class Started:
 
     def _done(self, fut: asyncio.Future) -> None:
         self._dp.router.release(self._slot)
-        if fut.cancelled():
-            self._end(self._reason, None)
+        if fut.cancelled() or self._reason is not None:
+            self._end(self._reason or "canceled", None)
             return
         exc = fut.exception()
         if exc is not None:
@@ -157,27 +158,31 @@ class Started:
         held = self._held
         try:
             if held is not None and held.writes and not held.write_now(outputs):  # a large output: in a thread
-                self._task = asyncio.get_running_loop().create_task(self._write(outputs))
+                self._task = asyncio.get_running_loop().create_task(held.write(outputs))
+                self._task.add_done_callback(partial(self._written, outputs))  # runs even if cancelled unstarted
                 return
         except BatcherError as exc:  # an output larger than its region
             self._end(exc.reason, exc)
             return
-        self._answer(outputs)
-
-    async def _write(self, outputs: dict[str, Any]) -> None:
-        try:
-            await self._held.write(outputs)
-        except asyncio.CancelledError:
-            self._end(self._reason, None)
-            return
-        except BatcherError as exc:
-            self._end(exc.reason, exc)
-            return
-        except Exception as exc:
+        except Exception as exc:  # a bug
             log.exception("model %s: writing an output to shared memory failed", self._slot.name)
             self._end("other", exc)
             return
         self._answer(outputs)
+
+    def _written(self, outputs: dict[str, Any], task: asyncio.Task) -> None:
+        """The end of :meth:`Hold.write` for a large output (in a thread): answer, or end as it went."""
+        if task.cancelled() or self._reason is not None:
+            self._end(self._reason or "canceled", None)
+            return
+        exc = task.exception()
+        if isinstance(exc, BatcherError):
+            self._end(exc.reason, exc)
+        elif exc is not None:
+            log.error("model %s: writing an output to shared memory failed", self._slot.name, exc_info=exc)
+            self._end("other", exc)
+        else:
+            self._answer(outputs)
 
     def _answer(self, outputs: dict[str, Any]) -> None:
         slot = self._slot

@@ -52,7 +52,7 @@ class _Request:
     and what runs it - a :class:`batcher.dataplane.Started` (``ticket``), or a task for the requests that must wait
     before they are queued (:meth:`FrontendConnection._infer`)."""
 
-    __slots__ = ("conn", "rid", "lease", "slot", "concluded", "reading", "ticket", "task")
+    __slots__ = ("conn", "rid", "lease", "slot", "concluded", "reading", "ticket", "task", "started", "aborted")
 
     def __init__(self, conn: FrontendConnection, rid: int, model: str, version: str) -> None:
         self.conn, self.rid = conn, rid
@@ -61,6 +61,8 @@ class _Request:
         self.lease = Lease(self._inputs_free)
         self.ticket: Any = None
         self.task: asyncio.Task | None = None
+        self.started = False  # its task has begun (a task cancelled before that never runs its body)
+        self.aborted: tuple | None = None  # the cancel for a task not begun yet: raised where it reads the request
         self.slot = conn.server.slot_index.get((model, version), -1)
         if self.slot >= 0:
             conn.server.counts[self.slot] += 1
@@ -110,10 +112,15 @@ class _Request:
         self.conn.forget(self.rid)
 
     def cancel(self, reason: str | None = None) -> None:
+        """The client (``reason`` FRONTEND_LOST: the front end) went away. A task not begun yet is not cancelled
+        (its body, which counts and answers, would never run): it raises the cancel where it reads the request."""
         if self.ticket is not None:
             self.ticket.cancel(reason)
         elif self.task is not None:
-            self.task.cancel(reason)
+            if self.started:
+                self.task.cancel(reason)
+            else:
+                self.aborted = (reason,) if reason is not None else ()
 
 
 class FrontendConnection:
@@ -169,7 +176,12 @@ class FrontendConnection:
         self._idle.clear()
         request = None
         if failure is None:
-            request = request_from(fields, unpack_tensors(inputs, self.area), req.lease)
+            try:
+                request = request_from(fields, unpack_tensors(inputs, self.area), req.lease)
+            except Exception as exc:  # a front end's bug (an entry outside the area): 500, counted by the task
+                log.exception("request %d of %s: its tensors do not unpack", rid, self.who)
+                failure = error_tuple(exc)
+        if failure is None:
             try:
                 req.ticket = self.dataplane.start_infer(model, version, received, request, req.deliver,
                                                         req.fail)
@@ -219,7 +231,11 @@ class FrontendConnection:
         """A request that may wait before it is queued (a model loading, a fallback, a CUDA shared-memory
         region, a version chosen by weight or hash) or that could not be read: :meth:`DataPlane.infer`."""
 
+        req.started = True
+
         async def read():
+            if req.aborted is not None:  # ABORT (or the front end's loss) before this task began
+                raise asyncio.CancelledError(*req.aborted)
             if failure == CANCELED:
                 raise asyncio.CancelledError()
             if failure is not None:
@@ -256,7 +272,7 @@ class FrontendConnection:
             if cuda_shm and isinstance(value, list):
                 value = [{**v, "device_id": self.server.devices.client(v["device_id"])} if "device_id" in v else v
                          for v in value]
-            self.channel.send((REPLY, cid, True, value))
+            self.channel.send((REPLY, cid, True, value), checked=True)  # an answer that cannot cross: 500
         except Exception as exc:
             if not isinstance(exc, BatcherError):
                 log.exception("call %s%r from %s failed", method, args, self.who)

@@ -41,6 +41,7 @@ ALIGN = 64
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
+_FRAME_MAX = 1 << 32  #: a frame's length must fit its 4-byte header
 _HELLO_MAX = 1 << 16
 
 # Message kinds (the first element of each message tuple).
@@ -181,11 +182,15 @@ class Channel(asyncio.Protocol):
             self._on_lost()
 
     # ---------------------------------------------------------------- sending
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, checked: bool = False) -> None:
         """Queue ``message``; everything queued in this loop iteration is pickled and written together. Dropped
-        when closed. A message that cannot be pickled is logged and dropped at the flush, alone."""
+        when closed. ``checked``: pickle it now too, so that a message that cannot cross raises here, in the
+        caller (for messages whose contents are not this module's own, e.g. a data-plane method's answer);
+        otherwise such a message is logged and dropped at the flush, alone."""
         if self.closed:
             return
+        if checked:
+            pickle.dumps(message, protocol=5)
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
         self._out.append(message)
@@ -196,18 +201,20 @@ class Channel(asyncio.Protocol):
             return
         try:
             payload = pickle.dumps(out, protocol=5)
-        except Exception:  # a bug: find the message, send the others
-            good = []
-            for m in out:
-                try:
-                    pickle.dumps(m, protocol=5)
-                    good.append(m)
-                except Exception:
-                    log.exception("cannot send message %r", m[:2] if isinstance(m, tuple) else m)
-            if not good:
+            if len(payload) < _FRAME_MAX:
+                self._transport.write(_LEN.pack(len(payload)) + payload)
                 return
-            payload = pickle.dumps(good, protocol=5)
-        self._transport.write(_LEN.pack(len(payload)) + payload)
+        except Exception:  # a bug: find the message, send the others
+            pass
+        for m in out:  # one frame each
+            try:
+                payload = pickle.dumps([m], protocol=5)
+                if len(payload) >= _FRAME_MAX:
+                    raise ValueError(f"a message of {len(payload)} bytes does not fit a frame")
+            except Exception:
+                log.exception("cannot send message %r", m[:2] if isinstance(m, tuple) else m)
+                continue
+            self._transport.write(_LEN.pack(len(payload)) + payload)
 
     def close(self) -> None:
         """Write what is queued, then close the connection (``on_lost`` follows)."""

@@ -140,7 +140,7 @@ class ModelSignature:
             rows = -1
             for name, dtype, tail in fixed:
                 arr = inputs.get(name)
-                if type(arr) is not np.ndarray or arr.dtype != dtype or arr.shape[1:] != tail:
+                if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.ndim or arr.shape[1:] != tail:
                     break
                 if rows < 0:
                     rows = arr.shape[0]

@@ -13,7 +13,9 @@ It prints, and saves as CSV (``--out``):
 * ``loop_cpu_us_per_req``: the engine's main thread (the event loop: IPC, the data plane, the batcher) per
   request: the part that bounds an engine process whose contexts are fast (:mod:`bench.gpu_scale` part p);
 * ``loop_busy``: the main thread's CPU seconds per second (1.0: the event loop is saturated);
-* ``avg_batch``: requests per executed batch (the engine's own counters).
+* ``answered_total`` and ``engine_counted``: the answers the drivers received over the whole run, warm-up
+  included, and the successes the engine process counted (its statistics): equal when each outcome is counted
+  once.
 
     python -m bench.engine_ipc                                  # trivial model, CPU, 2 drivers x 64
     python -m bench.engine_ipc --model resnet18 --kind gpu --drivers 8 --concurrency 64
@@ -57,6 +59,7 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
     """One driver process: one connection, ``concurrency`` closed-loop requests; sends (answered, errors) of the
     measured window."""
     from batcher.config import parse_config
+    from batcher.ipc import RESULT
     from batcher.protocol import InferRequest
     from batcher.remote import EngineLink
     from batcher.topology import engine_slots, engines
@@ -72,7 +75,7 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
         loop = asyncio.get_running_loop()
         start = loop.time() + warmup_s
         end = start + duration_s
-        counts = [0, 0]
+        counts = [0, 0, 0]  # answered in the window, failed in the window, answered in all
         rid = iter(range(1 << 62))
 
         async def client():
@@ -80,16 +83,44 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
                 r = next(rid)
                 t0 = loop.time()
                 msg = await link.submit(r, cfg, t0, InferRequest(inputs={name: x}), None)
-                link.outputs(msg[4]) if msg[0] == 11 else None
-                link.ack(r)
+                if msg[0] == RESULT:
+                    link.outputs(msg[4])  # copied out of the shared area, as a front end does before encoding
+                    link.ack(r)
+                    counts[2] += 1
                 if t0 >= start and loop.time() < end:
-                    counts[0 if msg[0] == 11 else 1] += 1
+                    counts[0 if msg[0] == RESULT else 1] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         await link.close()
         return counts
 
     result.send(asyncio.run(main()))
+
+
+def _engine_count(path: str, config_data: dict, model: str, expect: int, wait_s: float = 10.0) -> int:
+    """The successes the engine process counted (its statistics extension, over a new connection), once they reach
+    ``expect`` or after ``wait_s`` (the drivers' last acknowledgements may still be on their way)."""
+    from batcher.config import parse_config
+    from batcher.remote import EngineLink
+    from batcher.topology import engine_slots, engines
+
+    config = parse_config(config_data)
+    engine = engines(config)[0]
+
+    async def main() -> int:
+        link = EngineLink(engine, path, engine_slots(config, engine))
+        await link.connect()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while True:
+            doc = await link.call("statistics", model, "1")
+            n = doc["model_stats"][0]["inference_stats"]["success"]["count"]
+            if n >= expect or loop.time() > end:
+                await link.close()
+                return n
+            await asyncio.sleep(0.05)
+
+    return asyncio.run(main())
 
 
 def run(args) -> dict:
@@ -108,7 +139,10 @@ def run(args) -> dict:
              "max_batch_size": args.max_batch,
              "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us,
                                   "default_queue_policy": {"max_queue_size": 8192}}}
-    data = {"server": {"frontends": 1, "event_loop": args.event_loop}, "models": [model]}
+    # every outstanding request's input in the shared area (its first half), none riding inline
+    buffer_mb = args.buffer_mb or 2 * -(-args.concurrency * int(np.prod(shape)) * 4 // (1 << 20)) + 16
+    data = {"server": {"frontends": 1, "event_loop": args.event_loop, "frontend_buffer_mb": buffer_mb},
+            "models": [model]}
     config = parse_config(data)
     engine = engines(config)[0]
     sock = os.path.join(str(models_dir), "engine.sock")
@@ -138,6 +172,7 @@ def run(args) -> dict:
         counts = [p.recv() for p in pipes]
         for d in drivers:
             d.join(30)
+        counted = _engine_count(sock, data, args.model, sum(c[2] for c in counts))
     finally:
         os.kill(proc.pid, 15)
         proc.join(60)
@@ -149,6 +184,7 @@ def run(args) -> dict:
     span = t1 - t0
     return {"model": args.model, "kind": args.kind, "event_loop": args.event_loop, "drivers": args.drivers, "concurrency": args.concurrency,
             "req_per_s": round(answered / args.duration, 1), "errors": errors,
+            "answered_total": sum(c[2] for c in counts), "engine_counted": counted,
             "engine_cpu_us_per_req": round(total / max(answered, 1) * 1e6, 1),
             "loop_cpu_us_per_req": round(loop_cpu / max(answered, 1) * 1e6, 1),
             "loop_busy": round(loop_cpu / span, 3)}
@@ -164,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="the engine's server.event_loop (the drivers run asyncio)")
     p.add_argument("--drivers", type=int, default=2)
+    p.add_argument("--buffer-mb", type=int, default=None,
+                   help="server.frontend_buffer_mb (default: room for every outstanding request's input)")
     p.add_argument("--concurrency", type=int, default=64, help="outstanding requests per driver")
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--warmup", type=float, default=2.0)
