@@ -270,9 +270,12 @@ class Hold:
                 out[name] = self._regions[t.ref.region].read(t.ref, t.datatype, t.shape, f"input '{name}'", loop)
         return out
 
-    def write_now(self, outputs: dict[str, np.ndarray]) -> bool:
-        """:meth:`write` at once where it costs no wait (system regions, each output at most ``OFFLOAD_BYTES``):
-        True, written; False, nothing written (use :meth:`write`). Raises as :meth:`write`, nothing written."""
+    def _placements(self, outputs: dict[str, np.ndarray]) -> list[tuple[Region, int, np.ndarray]]:
+        """``(region, offset, bytes)`` of each output the request placed in shared memory.
+
+        Raises:
+            InvalidInput: an output larger than its ``shared_memory_byte_size``.
+        """
         todo = []
         for o in self._request.outputs or ():
             if o.shm is None:
@@ -282,10 +285,15 @@ class Hold:
             if data.nbytes > ref.byte_size:
                 raise InvalidInput(f"output '{o.name}' needs {data.nbytes} bytes, shared_memory_byte_size of region "
                                    f"'{ref.region}' is {ref.byte_size}")
-            region = self._regions[ref.region]
-            if region.blocking or data.nbytes > OFFLOAD_BYTES:
-                return False
-            todo.append((region, ref.offset, data))
+            todo.append((self._regions[ref.region], ref.offset, data))
+        return todo
+
+    def write_now(self, outputs: dict[str, np.ndarray]) -> bool:
+        """:meth:`write` at once where it costs no wait (system regions, each output at most ``OFFLOAD_BYTES``):
+        True, written; False, nothing written (use :meth:`write`). Raises as :meth:`write`, nothing written."""
+        todo = self._placements(outputs)
+        if any(region.blocking or data.nbytes > OFFLOAD_BYTES for region, _, data in todo):
+            return False
         for region, offset, data in todo:
             region.write(offset, data)
         return True
@@ -316,15 +324,5 @@ class Hold:
         Raises:
             InvalidInput: an output larger than its ``shared_memory_byte_size``; a CUDA copy refused.
         """
-        if self.write_now(outputs):
-            return
-        for o in self._request.outputs or ():
-            if o.shm is None:
-                continue
-            data = tensor_bytes(outputs[o.name])
-            ref: ShmRef = o.shm
-            if data.nbytes > ref.byte_size:
-                raise InvalidInput(f"output '{o.name}' needs {data.nbytes} bytes, shared_memory_byte_size of region "
-                                   f"'{ref.region}' is {ref.byte_size}")
-            region = self._regions[ref.region]
-            await self._run(region, data.nbytes, region.write, ref.offset, data)
+        for region, offset, data in self._placements(outputs):
+            await self._run(region, data.nbytes, region.write, offset, data)

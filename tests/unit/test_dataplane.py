@@ -19,13 +19,14 @@ from batcher.repository import ModelRepository
 pytestmark = pytest.mark.looptime
 
 
-async def plane(models: list[dict] | None = None, start: bool = True, later: bool = False, **server) -> DataPlane:
+async def plane(models: list[dict] | None = None, start: bool = True, later: bool = False,
+                seconds_per_row: float = 0.010, **server) -> DataPlane:
     """``later``: a data plane whose transport learns each answer's fate later (an engine process's)."""
     models = models or [{"name": "m", "max_batch_size": 8}]
     config = parse_config({"server": server, "models": [{"path": "unused.onnx", **m} for m in models]})
     metrics = Metrics()
     dp = DataPlane(config, metrics, ModelRepository(config, metrics, loader=FakeLoader()),
-                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=0.010),
+                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=seconds_per_row),
                    deliver_checks_deadline=later)
     if start:
         await dp.start()
@@ -50,7 +51,7 @@ def counts(dp: DataPlane, model: str = "m") -> dict[str, float]:
     sample = dp.metrics.registry.get_sample_value
     labels = {"model": model, "version": "1"}
     out = {"success": sample("batcher_request_success_total", labels) or 0.0}
-    for reason in ("invalid", "rejected", "timeout", "backend", "canceled", "other"):
+    for reason in ("invalid", "rejected", "timeout", "backend", "canceled", "dropped", "other"):
         out[reason] = sample("batcher_request_failure_total", {**labels, "reason": reason}) or 0.0
     st = dp.repository.slot(model).stats
     out["stats_success"], out["stats_fail"] = st.success.count, st.fail.count
@@ -86,7 +87,8 @@ async def test_every_failure_moves_exactly_one_counter_and_stats_agree():
     with pytest.raises(ModelNotFound):  # unknown models are counted nowhere
         await dp.infer("nope", None, now(), reader(InferRequest(rows(1))), passthrough)
     c = counts(dp)
-    assert c == {"success": 0, "invalid": 3, "rejected": 0, "timeout": 1, "backend": 0, "canceled": 0, "other": 0,
+    assert c == {"success": 0, "invalid": 3, "rejected": 0, "timeout": 1, "backend": 0, "canceled": 0, "dropped": 0,
+                 "other": 0,
                  "stats_success": 0, "stats_fail": 4}
     await dp.close()
 

@@ -13,17 +13,16 @@ import pickle
 
 import numpy as np
 import pytest
-from fakes import FakeLoader, SleepExecutor, rows
+from fakes import rows
 from helpers import segment_factory
+from test_dataplane import Outcome, counts, now
+from test_dataplane import plane as dataplane_plane
 
-from batcher.config import parse_config
-from batcher.dataplane import CountedLater, DataPlane
+from batcher.dataplane import DataPlane
 from batcher.engine_proc import FrontendConnection
 from batcher.errors import InvalidInput
-from batcher.ipc import ABORT, ERROR, REPLY, REQ, RESULT, pack_tensors, request_fields
-from batcher.metrics import Metrics
-from batcher.protocol import InferRequest, InferResponse, RequestedOutput, ShmRef
-from batcher.repository import ModelRepository
+from batcher.ipc import ABORT, ERROR, REPLY, REQ, pack_tensors, request_fields
+from batcher.protocol import InferRequest, RequestedOutput, ShmRef
 from batcher.signature import ModelSignature
 from engines.base import TensorSpec
 
@@ -35,42 +34,9 @@ def segment():
     yield from segment_factory(lambda _: f"trtb-review-{os.getpid()}-{next(_names)}")
 
 
-def now() -> float:
-    return asyncio.get_running_loop().time()
-
-
 async def plane(models=None, seconds_per_row=0.010, start=True, **server) -> DataPlane:
-    models = models or [{"name": "m", "max_batch_size": 8}]
-    config = parse_config({"server": server, "models": [{"path": "unused.onnx", **m} for m in models]})
-    metrics = Metrics()
-    dp = DataPlane(config, metrics, ModelRepository(config, metrics, loader=FakeLoader()),
-                   executor=lambda ctx, name: SleepExecutor(ctx, name, seconds_per_row=seconds_per_row),
-                   deliver_checks_deadline=True)
-    if start:
-        await dp.start()
-    return dp
-
-
-def counts(dp: DataPlane) -> dict[str, float]:
-    sample = dp.metrics.registry.get_sample_value
-    labels = {"model": "m", "version": "1"}
-    out = {"success": sample("batcher_request_success_total", labels) or 0.0}
-    for reason in ("invalid", "canceled", "dropped", "other"):
-        out[reason] = sample("batcher_request_failure_total", {**labels, "reason": reason}) or 0.0
-    return out
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.done = asyncio.get_running_loop().create_future()
-
-    def deliver(self, response: InferResponse) -> CountedLater:
-        later = CountedLater()
-        self.done.set_result(("answer", response, later))
-        return later
-
-    def fail(self, error: BaseException | None) -> None:
-        self.done.set_result(("error", error, None))
+    """An engine process's data plane (its transport learns each answer's fate later)."""
+    return await dataplane_plane(models, start=start, later=True, seconds_per_row=seconds_per_row, **server)
 
 
 # ------------------------------------------------------------------ an engine connection without a socket
