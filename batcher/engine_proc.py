@@ -2,13 +2,14 @@
 model on it: :class:`batcher.topology.Engine`), serving
 front-end processes over Unix sockets (:mod:`batcher.ipc`).
 
-Per front end (:class:`FrontendConnection`): each REQ message runs :meth:`DataPlane.infer` as a task, with
-``read`` = the request of the message (inputs as views of the shared area, no copy) and ``deliver`` = send the
-outputs to the front end (RESULT); the task ends there, and the front end's ACK - ok, too late, or failed -
-settles the outcome (:class:`batcher.dataplane.CountedLater`), so it is counted once, here, after delivery, as in
-single-process mode. ABORT (the client went away) cancels the task, or settles an answer sent but not yet
-acknowledged (counted ``canceled``); a front end that dies cancels every task it had and settles its answers
-not yet acknowledged (counted ``dropped``).
+Per front end (:class:`FrontendConnection`), each REQ message (:class:`_Request`) is queued at once where nothing
+needs waiting for (:meth:`DataPlane.start_infer`: no task per request; its batch's end hands the outputs over),
+else runs :meth:`DataPlane.infer` as a task, with ``read`` = the request of the message and ``deliver`` = send the
+outputs. Either way the inputs are views of the shared area (no copy), the outputs go to the front end (RESULT),
+and the front end's ACK - ok, too late, or failed - settles the outcome (:class:`batcher.dataplane.CountedLater`),
+so it is counted once, here, after delivery, as in single-process mode. ABORT (the client went away) cancels the
+request, or settles an answer sent but not yet acknowledged (counted ``canceled``); a front end that dies cancels
+every request it had and settles its answers not yet acknowledged (counted ``dropped``).
 
 A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
 RELEASE message later) only when nothing reads it any more (:class:`batcher.protocol.Lease`): a request answered
