@@ -4,9 +4,9 @@ shared memory that request and response tensors travel through.
 * **Messages** are tuples (small: ids, names, shapes, offsets; tensors under :data:`INLINE_BYTES` ride
   inline) over an asyncio Unix-socket transport (:class:`Channel`). The messages sent in one event-loop
   iteration leave together, as one pickled list framed by a 4-byte little-endian length, in one write: one
-  batch's answers to one front end cost one ``pickle.dumps``, one ``pickle.loads`` and one system call. A peer that dies closes the socket: the other side learns it at once
-  (:meth:`Channel.connection_lost`), which is how an engine drops a dead front end's requests and a front end
-  answers 503 for a dead engine.
+  batch's answers to one front end cost one ``pickle.dumps``, one ``pickle.loads`` and one system call. A peer
+  that dies closes the socket: the other side learns it at once (:meth:`Channel.connection_lost`), which is how
+  an engine drops a dead front end's requests and a front end answers 503 for a dead engine.
 * **Shared memory** (:class:`Area`): one ``memfd_create`` mapping per connection, made by the engine process and
   passed to the front end with ``SCM_RIGHTS`` (:func:`send_hello` / :func:`recv_hello`). It has no name, so
   nothing is ever left in ``/dev/shm``: the memory goes when the last process holding it exits, whatever the exit.

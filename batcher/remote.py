@@ -1,16 +1,17 @@
 """A front end's data plane in multi-process mode: the same methods as :class:`batcher.dataplane.DataPlane`,
 answered by the engine processes (:mod:`batcher.engine_proc`) over :mod:`batcher.ipc`.
 
-The HTTP routes and the codec run unchanged in front of it. For an inference request the front end looks the
-model up (404 before reading, as in single-process mode), reads and decodes the body, picks the engine process
+The HTTP routes and the codec run unchanged in front of it. For an inference request the front end looks the model
+up (404 before reading, as in single-process mode), reads and decodes the body, picks the engine process
 (``routing.strategy`` over the versions and GPUs the request may go to, :mod:`batcher.strategy`; ``least_queue``
-reads each engine's status area), writes tensors of 64 KiB or more once into its shared area and sends the
-request; the engine queues it (:meth:`DataPlane.start_infer`, or :meth:`DataPlane.infer`) and sends the outputs
-(RESULT) or the error (ERROR); the front end encodes the answer, decides whether it is still in time, and
-acknowledges (ACK) so the engine counts the outcome. A request that could not be read is sent too, with the
-error, so the engine counts it like any other. A client that goes away sends ABORT. While an engine process is down (it died; the supervisor restarts it), the
-requests it had get 503 + Retry-After, the versions it serves are routed to another engine process that has them
-or answered 503 (counted here, in the shared metrics), and the front end reconnects once it is back.
+reads each engine's status area), writes tensors of 64 KiB or more once into its shared area and sends the request;
+the engine queues it (:meth:`DataPlane.start_infer`, or :meth:`DataPlane.infer`) and sends the outputs (RESULT) or
+the error (ERROR); the front end encodes the answer, decides whether it is still in time, and acknowledges (ACK) so
+the engine counts the outcome. A request that could not be read is sent too, with the error, so the engine counts
+it like any other. A client that goes away sends ABORT. While an engine process is down (it died; the supervisor
+restarts it), the requests it had get 503 + Retry-After, the versions it serves are routed to another engine
+process that has them or answered 503 (counted here, in the shared metrics), and the front end reconnects once it
+is back.
 
 Other calls (metadata, config, readiness, statistics, the repository extension) go to the engine processes that
 serve the model, and answers from several are merged (:func:`merge_statistics`, :func:`merge_index`); a method

@@ -135,7 +135,8 @@ def run(args) -> dict:
         path, shape, inp = str(write_trivial(models_dir / "trivial.onnx")), (1, 4), "x"
     else:
         path, shape, inp = f"zoo:{args.model}", (1, 3, 224, 224), "input"
-    model = {"name": args.model, "path": path, "instance_group": [{"count": args.contexts, "kind": f"KIND_{args.kind.upper()}"}],
+    group = {"count": args.contexts, "kind": f"KIND_{args.kind.upper()}"}
+    model = {"name": args.model, "path": path, "instance_group": [group],
              "max_batch_size": args.max_batch,
              "dynamic_batching": {"max_queue_delay_microseconds": args.delay_us,
                                   "default_queue_policy": {"max_queue_size": 8192}}}
@@ -182,7 +183,8 @@ def run(args) -> dict:
     total = sum(cpu1.get(t, 0.0) - cpu0.get(t, 0.0) for t in cpu1)
     loop_cpu = cpu1.get(main_tid, 0.0) - cpu0.get(main_tid, 0.0)
     span = t1 - t0
-    return {"model": args.model, "kind": args.kind, "event_loop": args.event_loop, "drivers": args.drivers, "concurrency": args.concurrency,
+    return {"model": args.model, "kind": args.kind, "event_loop": args.event_loop, "drivers": args.drivers,
+            "concurrency": args.concurrency,
             "req_per_s": round(answered / args.duration, 1), "errors": errors,
             "answered_total": sum(c[2] for c in counts), "engine_counted": counted,
             "engine_cpu_us_per_req": round(total / max(answered, 1) * 1e6, 1),
