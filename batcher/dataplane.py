@@ -385,8 +385,8 @@ class DataPlane:
         Nothing needs waiting for when: the server is ready, the version is READY with no ``fallback``, no
         version is to be chosen by ``routing.strategy`` (weighted, hash), and every shared-memory region the
         request names is a system one (:attr:`batcher.shm.Hold.immediate`). Otherwise nothing happened and
-        None is returned: use :meth:`infer`. Measured on the 2-core machine (``python -m bench.engine_ipc``):
-        see the README's "Many front ends" section.
+        None is returned: use :meth:`infer`. What it saves is measured by ``python -m bench.engine_ipc`` (the
+        README's "Serving modes", engine process).
 
         Args:
             received: event-loop time the request arrived. request: decoded; its lease is held while queued.
