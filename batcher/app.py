@@ -58,7 +58,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     request's share of the body budget when its handler is done (:func:`batcher.bodies.release`); and once SIGTERM's
     drain has begun, close each connection after its answer (``Connection: close``), so that a keep-alive client
     sends its next request on a new connection (503 while the port is open, refused after) instead of on one the
-    server is about to close under it."""
+    server is about to close under it. A 408 says ``Connection: close`` too: the rest of that body may still come,
+    so nothing after it on that connection could be read as a request (RFC 9110, 15.5.9); aiohttp closes it once
+    its lingering time (10 s) has discarded what still comes, instead of keeping it alive."""
     try:
         resp = await handler(request)
     except BatcherError as exc:
@@ -78,8 +80,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         resp = error_response(500, f"internal error: {exc!r}")
     finally:
         release_body(request)
-    if request.app[SHUTDOWN].draining:
-        resp.force_close()
+    if request.app[SHUTDOWN].draining or resp.status == 408:
+        resp.force_close()  # 408: the body was not read to its end: the connection carries no other request
     return resp
 
 

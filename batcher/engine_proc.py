@@ -206,8 +206,9 @@ class FrontendConnection:
 
     def _on_lost(self) -> None:
         """The front end is gone: drop its requests (counted ``dropped``); the area goes with the last view."""
-        if self.requests:
-            log.warning("%s is gone: dropping its %d request(s) in progress", self.who, len(self.requests))
+        if self.requests or self.acks:  # both are counted ``dropped``
+            log.warning("%s is gone: dropping its %d request(s) in progress and %d answer(s) it had not "
+                        "acknowledged", self.who, len(self.requests), len(self.acks))
         for req in list(self.requests.values()):
             req.cancel(FRONTEND_LOST)
         acks, self.acks = self.acks, {}

@@ -69,10 +69,15 @@ class RemoteDataPlane:
         """An engine process that restarted has lost the shared-memory regions clients registered while its siblings
         kept theirs: register the siblings' system regions there again (several front ends may: "already
         registered" is expected). CUDA regions cannot be: their IPC handle is not kept; logged, to be registered
-        again by the client (unregister, then register)."""
+        again by the client (unregister, then register). With no sibling up (one engine process), every region is
+        gone: logged, for the clients to register again."""
         shm = self.config.server.shared_memory
+        if not (shm.system or shm.cuda):
+            return
         sibling = next((other for other in self.links if other is not link and other.connected), None)
-        if sibling is None or not (shm.system or shm.cuda):
+        if sibling is None:  # nowhere to take them from
+            log.warning("the %s restarted without the shared memory regions registered there; clients must "
+                        "register them again", link.name)
             return
         try:
             regions = await sibling.call("shm_status", "system") if shm.system else []

@@ -166,6 +166,9 @@ async def test_stalled_upload_gets_408(start_server):
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 408"), head
     assert loop.time() - t0 >= 0.25  # not before read_timeout_s (0.3 s, counted from the headers)
+    # the body was not read to its end, so the connection cannot carry another request: the client is told so
+    # (aiohttp then closes it once its lingering time, 10 s, has discarded what still comes)
+    assert b"\r\nconnection: close\r\n" in head.lower()
     writer.close()
 
 
