@@ -6,7 +6,7 @@ Per front end (:class:`FrontendConnection`), each REQ message (:class:`_Request`
 needs waiting for (:meth:`DataPlane.start_infer`: no task per request; its batch's end hands the outputs over),
 else runs :meth:`DataPlane.infer` as a task, with ``read`` = the request of the message and ``deliver`` = send the
 outputs. Either way the inputs are views of the shared area (no copy), the outputs go to the front end (RESULT),
-and the front end's ACK - ok, too late, or failed - settles the outcome (:class:`batcher.dataplane.CountedLater`),
+and the front end's ACK - ok, too late, or failed - settles the outcome (:class:`batcher.outcomes.CountedLater`),
 so it is counted once, here, after delivery, as in single-process mode. ABORT (the client went away) cancels the
 request, or settles an answer sent but not yet acknowledged (counted ``canceled``); a front end that dies cancels
 every request it had and settles its answers not yet acknowledged (counted ``dropped``).
@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from .config import Config
-from .dataplane import FRONTEND_LOST, CountedLater, DataPlane
+from .dataplane import DataPlane
+from .outcomes import FRONTEND_LOST, CountedLater
 from .errors import BatcherError, RemoteError
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 class _Request:
     """One REQ of a front end, from its message to its outcome message (RESULT or ERROR): its input lease (the
     input block goes back with the outcome, or in a RELEASE once nothing reads it), its count in the status area,
-    and what runs it - a :class:`batcher.dataplane.Started` (``ticket``), or a task for the requests that must wait
+    and what runs it - a :class:`batcher.outcomes.Started` (``ticket``), or a task for the requests that must wait
     before they are queued (:meth:`FrontendConnection._infer`)."""
 
     __slots__ = ("conn", "rid", "lease", "slot", "concluded", "reading", "ticket", "task", "started", "aborted")

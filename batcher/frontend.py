@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .config import Config, ModelConfig
-from .dataplane import Inflight, late_answer
+from .dataplane import late_answer
+from .outcomes import Inflight
 from .errors import BatcherError, RemoteError, Unavailable
 from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics

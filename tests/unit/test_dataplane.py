@@ -10,7 +10,8 @@ import pytest
 from fakes import FakeLoader, SleepExecutor, rows
 
 from batcher.config import parse_config
-from batcher.dataplane import FRONTEND_LOST, CountedLater, DataPlane
+from batcher.dataplane import DataPlane
+from batcher.outcomes import FRONTEND_LOST, CountedLater
 from batcher.errors import DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
 from batcher.metrics import Metrics
 from batcher.protocol import InferRequest, InferResponse
