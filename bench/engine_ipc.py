@@ -30,6 +30,7 @@ import asyncio
 import csv
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -177,6 +178,7 @@ def run(args) -> dict:
     finally:
         os.kill(proc.pid, 15)
         proc.join(60)
+        shutil.rmtree(models_dir, ignore_errors=True)  # the model file and the socket
     answered = sum(c[0] for c in counts)
     errors = sum(c[1] for c in counts)
     main_tid = proc.pid
