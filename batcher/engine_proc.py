@@ -88,8 +88,7 @@ class _Request:
     def deliver(self, response: InferResponse) -> CountedLater:
         """Send the outputs (RESULT); the front end's ACK (or ABORT, or its loss) settles the outcome."""
         conn = self.conn
-        self.uncount()
-        self.done_reading()
+        self.done_reading()  # before lease.free is read below
         entries, blocks = pack_tensors(response.outputs, conn.area, conn.outputs)
         if blocks:
             conn.out_blocks[self.rid] = blocks

@@ -85,6 +85,23 @@ async def settle_loop(n: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+async def one_request_then_at_its_batch_end(dp: DataPlane, conn: FrontendConnection, event) -> None:
+    """Request 1 by the fast path; ``event()`` runs right after its batch's end set its future, in the same loop
+    iteration (as a message read from the socket then), before the answer is handed over."""
+    runner = dp.repository.slot("m").runner
+    finish = runner._finish
+
+    def finish_then_event(*args):
+        finish(*args)
+        event()
+
+    runner._finish = finish_then_event
+    conn._on_message(req_message(1, InferRequest(rows(1)), now()))
+    assert conn.requests[1].ticket is not None  # the fast path
+    await asyncio.sleep(0.1)
+    await settle_loop()
+
+
 # ====================================================================================== defects
 @pytest.mark.looptime
 async def test_abort_read_after_the_batch_ended_but_before_the_done_callback_is_counted_canceled():
@@ -94,18 +111,7 @@ async def test_abort_read_after_the_batch_ended_but_before_the_done_callback_is_
     (DataPlane.infer): counted 'canceled', ERROR sent."""
     dp = await plane()
     conn, transport = connection(dp)
-    runner = dp.repository.slot("m").runner
-    orig = runner._finish
-
-    def finish_then_abort(*args):
-        orig(*args)
-        conn._on_message((ABORT, 1))  # read from the socket in the same iteration, after _finish
-
-    runner._finish = finish_then_abort
-    conn._on_message(req_message(1, InferRequest(rows(1)), now()))
-    assert conn.requests[1].ticket is not None  # the fast path
-    await asyncio.sleep(0.1)
-    await settle_loop()
+    await one_request_then_at_its_batch_end(dp, conn, lambda: conn._on_message((ABORT, 1)))
     kinds = [m[0] for m in transport.messages if m[1] == 1]
     assert kinds == [ERROR], "a RESULT sent after the ABORT is never ACKed"
     assert 1 not in conn.acks
@@ -119,17 +125,7 @@ async def test_front_end_lost_after_the_batch_ended_but_before_the_done_callback
     conn.acks after that would never be settled - the request counted neither success nor dropped."""
     dp = await plane()
     conn, transport = connection(dp)
-    runner = dp.repository.slot("m").runner
-    orig = runner._finish
-
-    def finish_then_lost(*args):
-        orig(*args)
-        conn.channel.connection_lost(None)
-
-    runner._finish = finish_then_lost
-    conn._on_message(req_message(1, InferRequest(rows(1)), now()))
-    await asyncio.sleep(0.1)
-    await settle_loop()
+    await one_request_then_at_its_batch_end(dp, conn, lambda: conn.channel.connection_lost(None))
     c = counts(dp)
     assert c["success"] + c["dropped"] + c["canceled"] == 1, f"the outcome was never counted: {c}, acks {conn.acks}"
     await dp.close()
