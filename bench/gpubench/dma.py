@@ -7,10 +7,13 @@ context at batch 32 (resnet18), ``ctx.execute`` in a tight loop on the context's
   mode (:class:`batcher.ipc.Area`), 1 MiB apart (:class:`engines.base.RowParts`, the front ends' blocks), the 32
   copies queued in one ``cudaMemcpyBatchAsync`` (``one call``), or one ``cudaMemcpyAsync`` each;
 * ``area, back to back``: the same arrays adjacent (one DMA for the batch, :func:`contiguous_runs`);
+* ``area, one DMA per request, launched ahead``: as the server's device pipeline runs them, each batch launched
+  behind the one before, which is collected after it (``ctx.launch`` / ``ctx.collect``, ``pipeline_depth``);
 
 each alone and beside a thread running pure Python (the engine process's event loop holds the GIL most of the
 time), at Python's switch interval and at 200 us. ms per batch and rows/s; the ratio to ``pinned, no copy`` alone
-is what the path costs."""
+is what the path costs. ``BATCHER_CUDA_GIL_HELD=0`` in the environment measures the copies and event records
+through cuda-python, which releases the GIL for each (:mod:`engines.cuda.held`)."""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
         say("  (d) skipped: it measures host-to-device copies, which need a GPU")
         return []
     from batcher.ipc import Area
-    from engines.cuda import HostRegistration, memory
+    from engines.cuda import HostRegistration, held, memory
     from engines.onnxruntime import OnnxRuntimeEngine
     from engines.zoo import resolve
 
@@ -102,11 +105,20 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
                     memory._BATCH_COPIES[binding] = known
             return top
 
+        pending: list = []
+
+        def ahead(k: int) -> int:  # the server's device pipeline: launch the next, then collect the oldest
+            pending.append(ctx.launch({"input": spaced_in}))
+            if len(pending) >= ctx.pipeline_depth:
+                ctx.collect(pending.pop(0))
+            return top
+
         cases = {"numpy -> pinned": copied,
                  "pinned, no copy": lambda k: (ctx.execute({"input": staging}), top)[1],
                  "area, one DMA per request, one call": lambda k: (ctx.execute({"input": spaced_in}), top)[1],
                  "area, one DMA per request, one call each": one_call_each,
-                 "area, back to back": lambda k: (ctx.execute({"input": adjacent_in}), top)[1]}
+                 "area, back to back": lambda k: (ctx.execute({"input": adjacent_in}), top)[1],
+                 "area, one DMA per request, launched ahead": ahead}
         for name, case in (("area, one DMA per request", spaced_in), ("area, back to back", adjacent_in)):
             got = on_thread(ctx, lambda case=case: ctx.execute({"input": case})["logits"])
             say(f"  (d) {name}: max abs diff to the stacked input {float(np.max(np.abs(got - want))):.3g}")
@@ -116,7 +128,9 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
             for name, step in cases.items():
                 with Spinner() if busy else contextlib.nullcontext():
                     rps, ms, _ = on_thread(ctx, lambda step=step: timed_loop(step, args.raw_seconds))
-                rows.append({"input": name, "python_thread_beside": busy,
+                    while pending:
+                        on_thread(ctx, lambda: ctx.collect(pending.pop(0)))
+                rows.append({"input": name, "gil_held_calls": held.driver() is not None, "python_thread_beside": busy,
                              "switch_interval_us": switch_us or round(default * 1e6), "batch": top,
                              "ms_per_batch": round(ms, 3), "rows_per_s": round(rps, 1)})
                 say(f"  (d) {rows[-1]}")

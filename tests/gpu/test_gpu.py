@@ -99,6 +99,51 @@ def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_re
         eng.release()
 
 
+def test_rows_read_in_place_from_registered_memory_with_held_calls_match_cpu(cpu_reference):
+    """The multi-process path: each request's rows where a front end wrote them (a ``cudaHostRegister``-ed area,
+    scattered and back to back), one DMA per run, padding zeroed on the device, the copies and event records queued
+    with the GIL held (engines/cuda/held.py), ``pipeline_depth`` batches on the device at once."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    from engines.cuda import HostRegistration, held
+
+    assert held.driver() is not None or not held.ENABLED  # this machine's driver takes the held calls
+    want = cpu_reference("resnet18")
+    x = images(8)
+    row = x[0].nbytes
+    shm = SharedMemory(create=True, size=32 * row)
+    base = np.frombuffer(shm.buf, np.uint8)
+    registration = HostRegistration(base.ctypes.data, shm.size)
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=SIZES, gpu_execution="graphs")
+    ctx = eng.create_context()
+    try:
+        def parts(offsets: list[int], first: int) -> list[np.ndarray]:
+            views = [np.ndarray((1, 3, 224, 224), np.float32, buffer=shm.buf, offset=k * row) for k in offsets]
+            for j, v in enumerate(views):
+                v[...] = x[first + j:first + j + 1]
+            return views
+
+        cases = [(parts([0, 1, 2], 0), 4, 0), (parts([20, 9, 10, 11, 5], 3), 8, 3), (parts([30], 7), 1, 7)]
+        launched = []
+        for views, rows, first in cases:
+            gathered = ctx.gather_rows("input", views, rows)
+            assert gathered is not None  # page-locked in place: no host stacking
+            launched.append((ctx.launch({"input": gathered}), len(views), first))
+            if len(launched) == ctx.pipeline_depth:
+                handle, n, at = launched.pop(0)
+                assert relative(ctx.collect(handle)["logits"][:n], want[at:at + n]) < TF32
+        for handle, n, at in launched:
+            logits = ctx.collect(handle)["logits"]
+            assert relative(logits[:n], want[at:at + n]) < TF32
+    finally:
+        ctx.release()
+        eng.release()
+        registration.unregister()
+        del base
+        shm.close()
+        shm.unlink()
+
+
 def test_fp32_graphs_match_the_cpu_closely(cpu_reference):
     eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=[8], precision="fp32")
     ctx = eng.create_context()
