@@ -12,8 +12,7 @@ context at batch 32 (resnet18), ``ctx.execute`` in a tight loop on the context's
 
 each alone and beside a thread running pure Python (the engine process's event loop holds the GIL most of the
 time), at Python's switch interval and at 200 us. ms per batch and rows/s; the ratio to ``pinned, no copy`` alone
-is what the path costs. ``BATCHER_CUDA_GIL_HELD=0`` in the environment measures the copies and event records
-through cuda-python, which releases the GIL for each (:mod:`engines.cuda.held`)."""
+is what the path costs."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
         say("  (d) skipped: it measures host-to-device copies, which need a GPU")
         return []
     from batcher.ipc import Area
-    from engines.cuda import HostRegistration, held, memory
+    from engines.cuda import HostRegistration, memory
     from engines.onnxruntime import OnnxRuntimeEngine
     from engines.zoo import resolve
 
@@ -130,7 +129,7 @@ def part_dma(raw: list[dict], args, out: Path) -> list[dict]:
                     rps, ms, _ = on_thread(ctx, lambda step=step: timed_loop(step, args.raw_seconds))
                     while pending:
                         on_thread(ctx, lambda: ctx.collect(pending.pop(0)))
-                rows.append({"input": name, "gil_held_calls": held.driver() is not None, "python_thread_beside": busy,
+                rows.append({"input": name, "python_thread_beside": busy,
                              "switch_interval_us": switch_us or round(default * 1e6), "batch": top,
                              "ms_per_batch": round(ms, 3), "rows_per_s": round(rps, 1)})
                 say(f"  (d) {rows[-1]}")

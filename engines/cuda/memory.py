@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import held
 from .runtime import CudaError, check, runtime, take
 from .stream import Stream
 
@@ -57,9 +56,7 @@ def host_array(ptr: int, nbytes: int) -> np.ndarray:
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream, label: str = "") -> None:
-    """Queue a copy of ``nbytes`` bytes from ``src`` to ``dst`` on ``stream`` (``cudaMemcpyAsync``; between
-    page-locked host memory and the device ``cuMemcpyHtoDAsync`` / ``cuMemcpyDtoHAsync`` with the GIL held, where
-    :func:`engines.cuda.held.driver` has them).
+    """Queue a copy of ``nbytes`` bytes from ``src`` to ``dst`` on ``stream`` (``cudaMemcpyAsync``).
 
     Args:
         direction: ``"H2D"`` (host to device), ``"D2H"`` or ``"D2D"``.
@@ -67,19 +64,9 @@ def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream
 
     Raises:
         CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
-            ``"cudaMemcpyAsync <direction> <label> <nbytes> B failed: <error>"`` (held: ``"cuMemcpyHtoDAsync
-            <label> <nbytes> B failed: <CUresult name> (<code>)"``).
+            ``"cudaMemcpyAsync <direction> <label> <nbytes> B failed: <error>"``.
         ValueError: unknown ``direction``.
     """
-    lib = held.driver()
-    if lib is not None and direction in ("H2D", "D2H") and page_locked(src if direction == "H2D" else dst, nbytes):
-        what = " ".join(part for part in (f"cuMemcpy{direction.replace('2', 'to')}Async", label, f"{nbytes} B")
-                        if part)
-        if direction == "H2D":
-            held.checked(lib, lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream.ptr), what)
-        else:
-            held.checked(lib, lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream.ptr), what)
-        return
     cudart = runtime()
     kinds = {
         "H2D": cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
@@ -102,19 +89,13 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, l
     per copy: beside a busy event loop each take-back waits, up to Python's switch interval (``bench.gpu_scale``
     part d on the H200: a batch of 32 copies took 187 ms beside a thread running Python, in one call 23 ms). The
     destinations must not overlap. Where the bindings or the driver lack the call, or it refuses the first batch
-    (then decided once for the process), each copy goes by ``cudaMemcpyAsync``. Where the copies can be queued with
-    the GIL held (:mod:`engines.cuda.held`: every source page-locked), each goes by its own held call instead: no
-    release of the GIL at all.
+    (then decided once for the process), each copy goes by ``cudaMemcpyAsync``.
 
     Raises:
         CudaError: CUDA refused a copy (the message of :func:`memcpy_async`, or ``"cudaMemcpyBatchAsync <label>
             <count> copies failed: <error>"`` once the batched call has worked in this process).
     """
     if not copies:
-        return
-    if held.driver() is not None and all(page_locked(src, nbytes) for _, src, nbytes in copies):
-        for dst, src, nbytes in copies:  # each call queues one DMA and keeps the GIL (engines.cuda.held)
-            memcpy_async(dst, src, nbytes, "H2D", stream, label)
         return
     cudart = runtime()
     try:
@@ -141,17 +122,12 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, l
 
 def memset_async(dst: int, value: int, nbytes: int, stream: Stream, label: str = "") -> None:
     """Queue setting ``nbytes`` bytes of device memory at ``dst`` to the byte ``value`` on ``stream``
-    (``cudaMemsetAsync``; ``cuMemsetD8Async`` with the GIL held where :mod:`engines.cuda.held` has it).
+    (``cudaMemsetAsync``).
 
     Raises:
         CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
             ``"cudaMemsetAsync <label> <nbytes> B failed: <error>"``.
     """
-    lib = held.driver()
-    if lib is not None:  # device memory only: the call queues and returns (engines.cuda.held)
-        what = " ".join(part for part in ("cuMemsetD8Async", label, f"{nbytes} B") if part)
-        held.checked(lib, lib.cuMemsetD8Async(dst, int(value), nbytes, stream.ptr), what)
-        return
     what = " ".join(part for part in ("cudaMemsetAsync", label, f"{nbytes} B") if part)
     check(runtime().cudaMemsetAsync(dst, int(value), nbytes, stream.handle), what)
 

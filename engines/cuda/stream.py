@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import held
 from .runtime import CudaError, check, runtime, take
 
 
@@ -76,16 +75,12 @@ class Event(_Handle):
         self.handle: Any = check(cudart.cudaEventCreateWithFlags(flags), f"cudaEventCreateWithFlags({int(flags)})")
 
     def record(self, stream: Stream) -> None:
-        """Mark the current end of ``stream``'s queue (``cudaEventRecord``; ``cuEventRecord`` with the GIL held
-        where :mod:`engines.cuda.held` has it); the event completes when the work queued before it has run.
+        """Mark the current end of ``stream``'s queue (``cudaEventRecord``); the event completes when the work
+        queued before it has run.
 
         Raises:
             CudaError: CUDA refused (destroyed event or stream).
         """
-        lib = held.driver()
-        if lib is not None:  # it only queues: keep the GIL (engines.cuda.held)
-            held.checked(lib, lib.cuEventRecord(int(self.handle), stream.ptr), "cuEventRecord")
-            return
         check(runtime().cudaEventRecord(self.handle, stream.handle), "cudaEventRecord")
 
     def synchronize(self) -> None:
