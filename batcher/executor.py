@@ -212,10 +212,12 @@ class Executor(Protocol):
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> Awaitable[BatchResult]:
         """Run ``fn(context, *args)`` where the context lives; the awaitable gives its result."""
 
-    def pipeline(self, args: tuple, slot: int) -> Awaitable[BatchResult]:
+    def pipeline(self, args: tuple, slot: int, done: Callable[[asyncio.Future], None] | None = None
+                 ) -> Awaitable[BatchResult]:
         """(``depth`` >= 2 only) One batch in two steps: :func:`stage_batch` ``(context, *args, slot)``, then run
         it (:func:`run_batch`, or launched and collected, :class:`DevicePipeline`); ``args`` are
-        :func:`stage_batch`'s after the context (batch, model, estimate, clock, allowed, batched)."""
+        :func:`stage_batch`'s after the context (batch, model, estimate, clock, allowed, batched). ``done(future)``
+        is called on the event loop right after the future is settled, in the same callback."""
 
     def close(self) -> None:
         """Wait for the running call, then release the context."""
@@ -224,27 +226,32 @@ class Executor(Protocol):
 class _Job:
     """One staged batch for :class:`DevicePipeline`, and the event-loop future its result settles."""
 
-    __slots__ = ("allowed", "future", "launched", "loop", "model", "staged", "start")
+    __slots__ = ("allowed", "done", "future", "launched", "loop", "model", "staged", "start")
 
     def __init__(self, staged: Staged, model: str, allowed: Sequence[int] | None, loop: asyncio.AbstractEventLoop,
-                 future: asyncio.Future) -> None:
+                 future: asyncio.Future, done: Callable[[asyncio.Future], None] | None = None) -> None:
         self.staged, self.model, self.allowed, self.loop, self.future = staged, model, allowed, loop, future
+        self.done = done
         self.launched: Any = None
         self.start = 0.0
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if not future.done():  # cancelled meanwhile (the model is closing): nobody waits for it
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None,
+            done: Callable[[asyncio.Future], None] | None = None) -> None:
+    if future.done():  # cancelled meanwhile (the model is closing): nobody waits for it
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    if done is not None:  # the future's own callbacks run a pass of the event loop later
+        done(future)
 
 
 def _post(job: _Job, result: BatchResult | None, error: BaseException | None = None) -> None:
-    """Settle a batch's future from any thread (on its event loop)."""
+    """Settle a batch's future from any thread (on its event loop), then call its ``done`` hook there."""
     try:
-        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+        job.loop.call_soon_threadsafe(_settle, job.future, result, error, job.done)
     except RuntimeError:  # the event loop is closed: nobody waits for it
         pass
 
@@ -432,10 +439,12 @@ class ThreadExecutor:
                 self._average_s + INLINE_EWMA_ALPHA * (took - self._average_s))
         return result
 
-    def pipeline(self, args: tuple, slot: int) -> asyncio.Future:
+    def pipeline(self, args: tuple, slot: int, done: Callable[[asyncio.Future], None] | None = None
+                 ) -> asyncio.Future:
         """One batch staged on the staging thread into staging buffer ``slot``, which hands it straight to the
-        context's thread (:class:`DevicePipeline`); the future gives its :class:`BatchResult`. ``args``:
-        :func:`stage_batch`'s after the context (batch, model, estimate, clock, allowed, batched)."""
+        context's thread (:class:`DevicePipeline`); the future gives its :class:`BatchResult`, and ``done(future)``
+        runs on the event loop in the callback that settles it. ``args``: :func:`stage_batch`'s after the context
+        (batch, model, estimate, clock, allowed, batched)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         device = self._device
@@ -445,9 +454,9 @@ class ThreadExecutor:
             try:
                 staged = stage_batch(self.context, *args, slot)
             except Exception as exc:  # a bug (stage_batch catches the engine's errors): the batch fails
-                _post(_Job(None, args[1], args[4], loop, future), None, exc)  # type: ignore[arg-type]
+                _post(_Job(None, args[1], args[4], loop, future, done), None, exc)  # type: ignore[arg-type]
                 return
-            device.put(_Job(staged, args[1], args[4], loop, future))
+            device.put(_Job(staged, args[1], args[4], loop, future, done))
 
         self._stager.submit(stage)
         return future

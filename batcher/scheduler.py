@@ -304,23 +304,50 @@ class ModelRunner:
         self._executing_rows += rows
         ex, args = self._executors[token[0]], (batch, self.name, self.times.estimate(rows), self._loop.time,
                                                 self._allowed, self.signature.batched)
+        finish = partial(self._finish, token, batch)
         if getattr(ex, "depth", 1) > 1:  # staged on one thread while the last batch runs on the context's
-            fut = asyncio.ensure_future(ex.pipeline(args, token[1]))
+            # ``done``: _finish runs in the pass of the event loop that settles the batch, not one pass later
+            fut = asyncio.ensure_future(ex.pipeline(args, token[1], done=finish))
         else:
             fut = asyncio.ensure_future(ex.submit(execute_batch, *args))
         self._running.add(fut)
-        fut.add_done_callback(partial(self._finish, token, batch))
+        fut.add_done_callback(finish)  # (for a pipelined batch: only if ``done`` never ran, e.g. cancelled)
+
+    def _plan(self, now: float) -> tuple[list[Pending], int]:
+        """The batch :func:`plan_batch` would take now and its rows (nothing is taken off the queue)."""
+        if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
+            self._queue = [p for p in self._queue if p.state is State.QUEUED]
+        if not self._queue:
+            self._tail = ()  # an empty queue is in order
+        return plan_batch(self._queue, self._max_batch, now, self._starve_s, self._allowed,
+                          presorted=self._tail is not None)
+
+    def _take(self, batch: list[Pending]) -> list[Pending]:
+        """Take ``batch`` (planned by :meth:`_plan`) off the queue."""
+        taken = set(map(id, batch))
+        self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
+        return batch
+
+    def _dispatch_full(self) -> None:
+        """While a full batch is queued and an executor's token is idle, dispatch it now (from :meth:`_finish`).
+
+        A batch's end frees its token in the pass of the event loop that settles it; through the batcher task the
+        next batch would leave two passes later (the token's queue wakes the task, which then runs), and at
+        saturation one pass of the engine process's loop reads every front end's messages. Only full batches go
+        this way (:func:`batch_is_full`), which the batcher task would dispatch at once too, so batches are the
+        same and only leave sooner; anything else (a window, a deadline, parked lookahead tokens) stays with the
+        task."""
+        while not self._closing and not self._idle.empty() and self._full_queued():
+            batch, rows = self._plan(self._loop.time())
+            if not batch or not batch_is_full(rows, self._max_batch, self._preferred):
+                return
+            self._dispatch(self._idle.get_nowait(), self._take(batch))
 
     async def _next_batch(self) -> list[Pending]:
         while True:
             self._wakeup.clear()
-            if len(self._queue) > 2 * self._depth + 16:  # drop settled entries now and then
-                self._queue = [p for p in self._queue if p.state is State.QUEUED]
             now = self._loop.time()
-            if not self._queue:
-                self._tail = ()  # an empty queue is in order
-            batch, rows = plan_batch(self._queue, self._max_batch, now, self._starve_s, self._allowed,
-                                     presorted=self._tail is not None)
+            batch, rows = self._plan(now)
             if not batch:
                 await self._wakeup.wait()
                 continue
@@ -329,9 +356,7 @@ class ModelRunner:
                                min(deadlines) if deadlines else None, self.times.estimate(rows))
             if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
                     or (self._adaptive and not worth_waiting(self._gaps.mean_s, self._delay_s))):
-                taken = set(map(id, batch))
-                self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
-                return batch
+                return self._take(batch)
             timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)  # or an arrival wakes it
             self._window_end = now + wait
             try:
@@ -341,12 +366,23 @@ class ModelRunner:
                 timer.cancel()
 
     def _finish(self, token: tuple[int, int], batch: list[Pending], fut: asyncio.Future) -> None:
+        """A batch's end, once (its executor's ``done`` hook or, failing that, the future's callback): its token
+        goes to the next full batch at once (:meth:`_dispatch_full`) or back to the batcher, then every request
+        of the batch is settled."""
+        if fut not in self._running:  # settled already through the other way in
+            return
         self._running.discard(fut)
         self._idle.put_nowait(token)
         self._executing_rows -= sum(p.rows for p in batch)
         result = _batch_result(self.name, fut, len(batch))
         if result.rows:
             self._record_batch(result, len(batch))
+        try:
+            self._dispatch_full()
+        finally:  # a bug there (logged by the event loop) must not leave this batch's requests unanswered
+            self._settle_batch(batch, result)
+
+    def _settle_batch(self, batch: list[Pending], result: BatchResult) -> None:
         for p, out in zip(batch, result.outcomes):
             p.settle()
             if p.future.done():  # the client went away or the deadline passed: its rows are discarded

@@ -226,3 +226,25 @@ async def test_batches_queued_behind_a_closing_executor_are_all_settled():
     results = await asyncio.gather(*futures)
     assert [float(r.outcomes[0]["y"][0, 0]) for r in results] == [2.0, 4.0, 6.0]
     assert not ctx.launched
+
+
+async def test_the_done_hook_runs_in_the_callback_that_settles_the_batch(clock):
+    """``pipeline(..., done=hook)``: the hook sees its batch's future settled and runs before any callback the
+    future itself schedules (those run a pass of the event loop later): the scheduler's next batch leaves then."""
+    ctx = TwoDeep()
+    clock["ctx"] = ctx
+    ex = ThreadExecutor(ctx, "t")
+    seen: list[tuple[str, float]] = []
+
+    def hook(fut: asyncio.Future) -> None:
+        seen.append(("done", float(fut.result().outcomes[0]["y"][0, 0])))
+
+    futures = [ex.pipeline(_args(_batch(v)), slot, done=hook) for slot, v in enumerate((1.0, 2.0))]
+    for fut in futures:
+        fut.add_done_callback(lambda f: seen.append(("callback", float(f.result().outcomes[0]["y"][0, 0]))))
+    await asyncio.gather(*futures)
+    await asyncio.sleep(0)
+    assert sorted(seen) == [("callback", 2.0), ("callback", 4.0), ("done", 2.0), ("done", 4.0)]  # y = 2 x
+    for y in (2.0, 4.0):
+        assert seen.index(("done", y)) < seen.index(("callback", y))
+    ex.close()

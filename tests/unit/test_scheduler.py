@@ -13,6 +13,7 @@ import pytest
 from fakes import FakeContext, PipelineExecutor, SleepExecutor, model_config, rows, signature
 
 from batcher.errors import DeadlineExceeded, ExecutionFailed, Unavailable
+from batcher.executor import BatchResult
 from batcher.metrics import Metrics
 from batcher.scheduler import ModelRunner
 from batcher.signature import ModelSignature
@@ -406,6 +407,55 @@ async def test_a_third_staging_slot_takes_full_batches_only():
     outs = await asyncio.gather(*(trickle(i) for i in range(24)))
     assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(24)]
     assert ex.slots and 2 not in ex.slots and max(ctx.batches[8:]) < 8
+    await r.close()
+
+
+class HeldExecutor:
+    """A pipelined executor (``depth`` tokens) whose batches end when the test says: :meth:`end` settles one as
+    :class:`batcher.executor.ThreadExecutor` does, its result and then its ``done`` hook in one callback."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self.context, self.depth = FakeContext(), depth
+        self.batches: list[tuple[list, int, asyncio.Future, object]] = []  # (requests, slot, future, done)
+
+    def pipeline(self, args, slot: int, done=None) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.batches.append((args[0], slot, fut, done))
+        return fut
+
+    def end(self, k: int) -> None:
+        batch, _, fut, done = self.batches[k]
+        fut.set_result(BatchResult([{"y": p.inputs["x"] * 2} for p in batch], (0.0, 0.001, 0.0),
+                                   sum(p.rows for p in batch)))
+        done(fut)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_batch_end_hands_its_token_to_the_next_full_batch_in_the_same_callback():
+    """With every token busy and full batches queued, a batch's end dispatches the next full batch before that
+    callback returns (no pass of the event loop through the batcher task); a partial batch stays with the task and
+    its window (2 ms here)."""
+    cfg = model_config(max_batch_size=4, dynamic_batching={"max_queue_delay_microseconds": 2000})
+    ex = HeldExecutor(depth=2)
+    r = ModelRunner(cfg, signature(4), [ex], Metrics().for_model("m", "1"))
+    tasks = [submit(r, value=float(i)) for i in range(14)]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert [len(b[0]) for b in ex.batches] == [4, 4]  # both tokens busy, 6 requests queued
+    ex.end(0)
+    assert [len(b[0]) for b in ex.batches] == [4, 4, 4]  # already: in the callback that ended batch 0
+    assert ex.batches[2][1] == ex.batches[0][1]  # on the token batch 0 gave back
+    ex.end(1)
+    assert len(ex.batches) == 3  # 2 queued: not full, the batcher task takes them after its window
+    t0 = now()
+    await asyncio.sleep(0.01)
+    assert [len(b[0]) for b in ex.batches] == [4, 4, 4, 2] and now() - t0 == pytest.approx(0.01)
+    ex.end(2)
+    ex.end(3)
+    outs = await asyncio.gather(*tasks)
+    assert [o["y"][0, 0] for o in outs] == [2.0 * i for i in range(14)]
     await r.close()
 
 
