@@ -99,7 +99,7 @@ def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_re
         eng.release()
 
 
-def test_rows_read_in_place_from_registered_memory_with_held_calls_match_cpu(cpu_reference):
+def test_rows_read_in_place_from_registered_memory_match_cpu(cpu_reference):
     """The multi-process path: each request's rows where a front end wrote them (a ``cudaHostRegister``-ed area,
     scattered and back to back), one DMA per run, padding zeroed on the device, ``pipeline_depth`` batches on the
     device at once."""
