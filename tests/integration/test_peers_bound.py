@@ -28,4 +28,6 @@ def test_the_bound_section_measures_each_server_by_thread(h2load, tmp_path, cach
         assert 0 < float(r["machine_busy_cores"]) <= os.cpu_count() + 0.05, r
         assert int(r["machine_cores"]) == os.cpu_count()
     ours, bare = rows
-    assert int(ours["threads"]) >= 2 and int(bare["threads"]) == 1  # ours: the event loop and the executor
+    # ours: the event loop, and the executor's thread unless the MLP's batches ran inline on the loop
+    # (server.inline_execution_us, 100 us: this MLP's batches of a few rows lie near it, so either may happen)
+    assert int(ours["threads"]) >= 1 and int(bare["threads"]) == 1
