@@ -125,6 +125,10 @@ class ServerConfig(_Strict):
     #: (``bench.gpu_scale`` part s, 8 front ends: 0.76 and 0.87 of the raw engine at 200 against 0.70 at 5,000 and
     #: 0.81 at 1,000; README "Many front ends, shared memory, two GPUs"); null: Python's own (5,000)
     gil_switch_interval_us: int | None = Field(200, ge=10, le=100_000)
+    #: GPU contexts (CUDA graphs) record a pair of CUDA timing events around every batch, the source of
+    #: ``batcher_device_busy_seconds_total`` and ``batcher_device_idle_seconds`` (batcher.metrics); two event
+    #: records and two elapsed-time reads per batch (``bench.gpu_scale`` part a measures batches with it off and on)
+    device_timing: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.base import EngineError, EngineInputError, EngineUnavailable, ExecutionContext
+from engines.base import DeviceTimes, EngineError, EngineInputError, EngineUnavailable, ExecutionContext
 
 from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
@@ -49,12 +49,15 @@ class BatchResult:
         times: seconds spent stacking inputs, executing, splitting outputs (0.0 each when nothing ran).
         rows: the requests' rows executed (requests dropped before execution excluded).
         padded_rows: zero rows added to reach an allowed batch size (executed, never answered).
+        device: the batch's time on the device and the device's idle time before it, where the context times its
+            device (:meth:`~engines.base.ExecutionContext.device_times`: CUDA-graph contexts); None otherwise.
     """
 
     outcomes: list[dict | BatcherError]
     times: tuple[float, float, float]
     rows: int
     padded_rows: int = 0
+    device: DeviceTimes | None = None
 
 
 @dataclass
@@ -137,16 +140,25 @@ def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequen
         outputs: dict | Exception = ctx.execute(staged.inputs)
     except (EngineError, ValueError) as exc:
         outputs = exc
-    return finish_batch(ctx, staged, model, allowed, outputs, time.perf_counter() - t1)
+    return finish_batch(ctx, staged, model, allowed, outputs, time.perf_counter() - t1, device_times(ctx, outputs))
+
+
+def device_times(ctx: ExecutionContext, outputs: dict | Exception) -> DeviceTimes | None:
+    """The device times of the batch ``ctx`` just returned ``outputs`` for (None when it failed or the context
+    does not time its device); on the thread that ran it."""
+    if isinstance(outputs, Exception):
+        return None
+    timer = getattr(ctx, "device_times", None)  # test doubles may not derive from ExecutionContext
+    return timer() if timer is not None else None
 
 
 def finish_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequence[int] | None,
-                 outputs: dict | Exception, execute_s: float) -> BatchResult:
+                 outputs: dict | Exception, execute_s: float, device: DeviceTimes | None = None) -> BatchResult:
     """The end of a batch's second step (the context's own thread): ``outputs`` (what the engine returned, or the
     EngineError/ValueError it raised) split into per-request views without the padding rows; when the engine
     failed, or an output has the wrong rows, and the batch holds several requests, each runs alone (one
     request's data may be what the engine rejected), so only that one fails. ``execute_s``: the engine's seconds
-    for the batch. Never raises."""
+    for the batch; ``device``: its device times (:func:`device_times`). Never raises."""
     live, rows, pad = staged.live, staged.rows, staged.pad
     t2 = time.perf_counter()
     parts: list = []
@@ -164,7 +176,8 @@ def finish_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Seq
                 parts = [_failure(exc, model, rows)] * len(live)
     t3 = time.perf_counter()
     results: dict[int, Any] = {**staged.dropped, **{id(p): part for p, part in zip(live, parts)}}
-    return BatchResult([results[id(p)] for p in staged.batch], (staged.seconds, execute_s, t3 - t2), rows, pad)
+    return BatchResult([results[id(p)] for p in staged.batch], (staged.seconds, execute_s, t3 - t2), rows, pad,
+                       device)
 
 
 def execute_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
@@ -354,7 +367,8 @@ class DevicePipeline:
             except (EngineError, ValueError) as exc:
                 outputs = exc
             execute_s = time.perf_counter() - max(job.start, last_end)
-            _post(job, finish_batch(self.context, job.staged, job.model, job.allowed, outputs, execute_s))
+            _post(job, finish_batch(self.context, job.staged, job.model, job.allowed, outputs, execute_s,
+                                    device_times(self.context, outputs)))
             last_end = time.perf_counter()  # after any re-runs of its requests alone: the next batch's time
             inflight.popleft()
 

@@ -17,7 +17,16 @@ ours                                              Triton
 ``batcher_batch_size`` (histogram, rows)          (none; Triton only has the two counts above)
 ``batcher_queue_depth`` (gauge, requests)         ``nv_inference_pending_request_count``
 ``batcher_padded_rows_total``                     (none; zero rows padding batches to allowed sizes)
+``batcher_device_busy_seconds_total``             (none; device time of the batches, CUDA events)
+``batcher_device_idle_seconds`` (histogram)       (none; the device's idle gap before each batch)
 ================================================  ===============================================
+
+The two device families come from CUDA timing events recorded on each CUDA-graph context's stream before a
+batch's first copy and after its last (:class:`engines.base.DeviceTimes`): busy is the batch's copies and
+kernels, idle the time the stream sat empty between the previous batch of that context and this one (0 when
+the batch was queued behind it). Under load, ``rate(batcher_device_busy_seconds_total)`` is the share of one
+device the model keeps busy (per context: divide by the contexts), and idle gaps show the host being late;
+``batcher_compute_infer_seconds_total`` is the host's view of the same batches (waits included).
 
 Failure reasons: ``invalid`` (400/413), ``rejected`` (503: queue full, not ready), ``timeout`` (504: deadline
 passed before execution), ``backend`` (500: engine error), ``canceled`` (client went away), ``other``.
@@ -35,13 +44,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from engines.base import DeviceTimes
 
 LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: the device's idle gaps before batches: 0 (queued behind the last batch) to the 1-10 ms of a host that is late
+#: for a batch of a few milliseconds, and the seconds of a model without load
+IDLE_BUCKETS_S = (
+    0.000001, 0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0, 10.0,
+)
 
 
 def read_pid_once() -> None:
@@ -120,6 +138,14 @@ class Metrics:
             "batcher_padded_rows", "Zero rows executed to pad batches up to an allowed batch size (never answered)",
             labels, registry=r,
         )
+        self.device_busy = Counter(
+            "batcher_device_busy_seconds", "Device time of executed batches, first copy to last (CUDA timing events)",
+            labels, registry=r,
+        )
+        self.device_idle = Histogram(
+            "batcher_device_idle_seconds", "Time a context's device stream sat empty before each batch (CUDA "
+            "timing events; 0: queued behind the previous batch)", labels, buckets=IDLE_BUCKETS_S, registry=r,
+        )
 
         # model lifecycle and memory (load strategies, LRU budget)
         self.model_loaded = Gauge("batcher_model_loaded", "1 while the model version is loaded and ready, else 0",
@@ -190,6 +216,7 @@ class Metrics:
             compute_output=self.compute_output.labels(*lv),
             queue_depth=self.queue_depth.labels(*lv),
             padded_rows=self.padded_rows.labels(*lv),
+            device_families=(self.device_busy, self.device_idle, lv),
         )
 
 
@@ -233,9 +260,22 @@ class ModelMetrics:
     compute_infer: Counter
     compute_output: Counter
     padded_rows: Counter
+    #: (busy counter, idle histogram, labels): their children are made at the first batch timed on a device, so
+    #: a model that never runs on one exports no device series
+    device_families: tuple[Counter, Histogram, tuple[str, str]] | None = None
+    _device: tuple[Any, Any] | None = None
 
-    def batch(self, rows: int, padded_rows: int, times: tuple[float, float, float]) -> None:
-        """One executed batch: ``rows`` requests' rows plus ``padded_rows``; seconds stacking, executing, splitting."""
+    def batch(self, rows: int, padded_rows: int, times: tuple[float, float, float],
+              device: DeviceTimes | None = None) -> None:
+        """One executed batch: ``rows`` requests' rows plus ``padded_rows``; seconds stacking, executing, splitting;
+        its device times where the context took them."""
+        if device is not None and self.device_families is not None:
+            if self._device is None:
+                busy, idle, lv = self.device_families
+                self._device = (busy.labels(*lv), idle.labels(*lv))
+            self._device[0].inc(device.busy_s)
+            if device.idle_s is not None:
+                self._device[1].observe(device.idle_s)
         t_input, t_infer, t_output = times
         self.execution_count.inc()
         self.inference_count.inc(rows)

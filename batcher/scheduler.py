@@ -394,7 +394,7 @@ class ModelRunner:
                 p.future.set_result(out)
 
     def _record_batch(self, result: BatchResult, requests: int) -> None:
-        self.metrics.batch(result.rows, result.padded_rows, result.times)
+        self.metrics.batch(result.rows, result.padded_rows, result.times, result.device)
         self.stats.batch(result.rows, requests, *result.times, result.padded_rows)
         self.times.record(result.rows + result.padded_rows, sum(result.times))
 

@@ -76,6 +76,14 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def set_device_timing(on: bool) -> None:
+    """``server.device_timing``: whether the contexts this process creates from now on record CUDA timing events
+    around each batch (:attr:`engines.base.ExecutionContext.device_timing`)."""
+    from engines.base import ExecutionContext
+
+    ExecutionContext.device_timing = on
+
+
 def set_switch_interval(us: int | None) -> None:
     """``sys.setswitchinterval`` from ``server.gil_switch_interval_us`` (microseconds); None keeps Python's
     (5 ms). With a busy event loop, a thread returning from a call that released the GIL (a CUDA copy, ONNX

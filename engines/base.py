@@ -50,6 +50,23 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class DeviceTimes:
+    """One batch's time on the device, from CUDA timing events (``cudaEventElapsedTime``, resolution about
+    0.5 us) recorded on the context's stream before its first host-to-device copy and after its last
+    device-to-host copy.
+
+    Attributes:
+        busy_s: seconds from the batch's first copy starting to its last copy ending (copies and kernels).
+        idle_s: seconds the stream sat empty between the previous batch's last copy and this batch's first one
+            (0 when this batch was queued behind it; the host was late otherwise); None for the context's first
+            batch timed.
+    """
+
+    busy_s: float
+    idle_s: float | None
+
+
 class RowParts:
     """One input of a batch as the requests' own arrays, not stacked: what a device context that reads page-locked
     host memory in place copies host-to-device part by part (one DMA per request, no host copy; the front ends'
@@ -150,6 +167,10 @@ class ExecutionContext(abc.ABC):
         """
         return None
 
+    #: whether a context that can time its device (a CUDA-graph context) records timing events around each batch for
+    #: :meth:`device_times`; read when a context is created (``server.device_timing`` sets it for a process)
+    device_timing: bool = True
+
     #: batches this context takes on its device at once: with 2 or more, :meth:`launch` queues a batch and returns
     #: and :meth:`collect` waits for it, so the caller can queue the next batch behind the running one and the
     #: device never waits for the host between batches (:class:`batcher.executor.DevicePipeline`). 1 (the
@@ -176,6 +197,13 @@ class ExecutionContext(abc.ABC):
                 depth 1.
         """
         raise NotImplementedError(f"{type(self).__name__} only executes (pipeline_depth 1)")
+
+    def device_times(self) -> DeviceTimes | None:
+        """How long the device took over the batch last returned by :meth:`execute` or :meth:`collect`, and how long
+        it sat idle before it (:class:`DeviceTimes`, from CUDA timing events); None where the context does not
+        time its device (CPU, the default). Call it on the thread that executed or collected that batch, before
+        the next call on this context."""
+        return None
 
     def gather_rows(self, name: str, parts: list[np.ndarray], rows: int) -> RowParts | None:
         """Input ``name`` of a batch as its requests' arrays (:class:`RowParts`, ``rows`` with padding), when

@@ -5,7 +5,8 @@ staging buffer first, as the service must do. A context that takes two batches o
 (``sequential_rows_per_s``), and each launched behind the one before, which is collected after it
 (``rows_per_s``: what the service's executor does, :class:`batcher.executor.DevicePipeline`); every "over raw"
 ratio of the other parts divides by ``rows_per_s``, the engine's best. At batch 32, each precision's max abs and relative error against
-ONNX Runtime fp32 on CPU, and the TF32/fp32 and fp16/TF32 throughput ratios."""
+ONNX Runtime fp32 on CPU, the TF32/fp32 and fp16/TF32 throughput ratios, and the rows/s of a context made with
+``device_timing`` off (``<precision>_untimed_rows_per_s``: what the CUDA timing events around each batch cost)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def cpu_reference(path: Path, x: np.ndarray) -> np.ndarray:
         engine.release()
 
 
-def measure_context(ctx, x: np.ndarray, seconds: float, sizes=SIZES, name: str = "input") -> list[dict]:
-    """rows/s of ``ctx`` at each size and mixed; the loop runs on the context's own thread. With
+def measure_context(ctx, x: np.ndarray, seconds: float, sizes=SIZES, name: str = "input", mixed: bool = True
+                    ) -> list[dict]:
+    """rows/s of ``ctx`` at each size and (``mixed``) over mixed sizes; the loop runs on the context's own thread. With
     ``pipeline_depth`` >= 2 also launched one batch ahead: then ``rows_per_s`` is that, ``sequential_rows_per_s``
     the batch-by-batch figure (module docstring)."""
     top = max(sizes)
@@ -52,12 +54,16 @@ def measure_context(ctx, x: np.ndarray, seconds: float, sizes=SIZES, name: str =
         return n
 
     pending: list = []
+    busy: list[float] = []  # the device seconds of each batch collected one batch ahead (its timing events)
 
     def run_ahead(n: int, k: int) -> int:
         """Batch k launched, then batch k - 1 collected (its staging slot is reused by batch k + 1)."""
         pending.append(ctx.launch({name: stage(n, k)}))
         if len(pending) > 1:
             ctx.collect(pending.pop(0))
+            timed = ctx.device_times()
+            if timed is not None:
+                busy.append(timed.busy_s)
         return n
 
     def measure(size_of) -> tuple[float, float, float | None]:
@@ -72,17 +78,46 @@ def measure_context(ctx, x: np.ndarray, seconds: float, sizes=SIZES, name: str =
         return fast, fast_ms, rps
 
     plan = mixed_sizes(4096)
-    for b, size_of in [*((b, lambda k, b=b: b) for b in sizes), ("mixed", lambda k: plan[k % len(plan)])]:
+    for b, size_of in [*((b, lambda k, b=b: b) for b in sizes), *[("mixed", lambda k: plan[k % len(plan)])] * mixed]:
+        busy.clear()
         rps, ms, sequential = measure(size_of)
         row = {"batch": b, "ms_per_batch": round(ms, 3), "rows_per_s": round(rps, 1)}
         if sequential is not None:
             row["sequential_rows_per_s"] = round(sequential, 1)
+        if busy:  # the device's own time per batch, copies and kernels (bench.gpu_scale part m's device columns)
+            row["device_ms_per_batch"] = round(sum(busy) / len(busy) * 1e3, 3)
         rows.append(row)
     return rows
 
 
-def part_a(models: list[str], precisions: list[str], device: str, seconds: float, out: Path) -> list[dict]:
+def engine_of(path: Path, device: str, precision: str):
     from engines.onnxruntime import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(path, device=device, batch_sizes=SIZES, precision=precision)
+
+
+def untimed_rows_per_s(engine, x: np.ndarray, seconds: float) -> float | None:
+    """rows/s at the largest size of a context of ``engine`` made with ``device_timing`` off (None where the
+    context has no timing: CPU); releases the engine."""
+    from engines.base import ExecutionContext
+
+    if engine.device == "cpu":
+        engine.release()
+        return None
+    before = ExecutionContext.device_timing
+    ExecutionContext.device_timing = False
+    try:
+        ctx = engine.create_context()
+    finally:
+        ExecutionContext.device_timing = before
+    try:
+        return next(r["rows_per_s"] for r in measure_context(ctx, x, seconds, (max(SIZES),), mixed=False))
+    finally:
+        ctx.release()
+        engine.release()
+
+
+def part_a(models: list[str], precisions: list[str], device: str, seconds: float, out: Path) -> list[dict]:
     from engines.zoo import resolve
 
     rows: list[dict] = []
@@ -94,7 +129,7 @@ def part_a(models: list[str], precisions: list[str], device: str, seconds: float
         per: dict[str, dict] = {}
         for precision in precisions:
             t0 = time.perf_counter()
-            engine = OnnxRuntimeEngine(path, device=device, batch_sizes=SIZES, precision=precision)
+            engine = engine_of(path, device, precision)
             ctx = engine.create_context()
             load_s = time.perf_counter() - t0
             try:
@@ -107,13 +142,14 @@ def part_a(models: list[str], precisions: list[str], device: str, seconds: float
             for r in measured:
                 rows.append({"model": model, "precision": precision, "execution": facts.get("execution"), **r})
             at32 = next(r["rows_per_s"] for r in measured if r["batch"] == max(SIZES))
-            per[precision] = {"rows_per_s": at32, "max_abs_err": err[0], "rel_err": err[1]}
+            per[precision] = {"rows_per_s": at32, "max_abs_err": err[0], "rel_err": err[1],
+                              "untimed_rows_per_s": untimed_rows_per_s(engine_of(path, device, precision), x, seconds)}
             say(f"  (a) {model} {precision}: {facts.get('execution')}, load {load_s:.1f} s, batch 32 {at32:,.0f} rows/s, "
                 f"mixed {measured[-1]['rows_per_s']:,.0f} rows/s, error vs CPU fp32 {err[0]:.3g} abs / {err[1]:.3g} rel")
         entry: dict = {"model": model}
         for p, v in per.items():
             entry.update({f"{p}_rows_per_s": v["rows_per_s"], f"{p}_max_abs_err": round(v["max_abs_err"], 6),
-                          f"{p}_rel_err": round(v["rel_err"], 6)})
+                          f"{p}_rel_err": round(v["rel_err"], 6), f"{p}_untimed_rows_per_s": v["untimed_rows_per_s"]})
         if "tf32" in per and "fp32" in per:
             entry["tf32_over_fp32"] = round(per["tf32"]["rows_per_s"] / per["fp32"]["rows_per_s"], 2)
         if "fp16" in per and "tf32" in per:

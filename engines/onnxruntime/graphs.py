@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..base import EngineError, RowParts
-from ..cuda import CAPTURE_GATE, Event, PinnedBuffer, Stream, page_locked, set_device
+from ..base import DeviceTimes, EngineError, RowParts
+from ..cuda import CAPTURE_GATE, CudaError, Event, PinnedBuffer, Stream, page_locked, set_device
 from . import cuda as _cuda
 from .cuda import CudaContext, CudaPlan, check_rows
 from .options import run_options
@@ -101,6 +101,14 @@ class CudaGraphContext(CudaContext):
         self._events: list[Event] = []
         self._free_slots: list[int] = list(range(self.pipeline_depth))
         self._generation = [0] * self.pipeline_depth  # launches per slot: a handle names its launch
+        # device timing (:meth:`device_times`): a ring of pipeline_depth + 1 (start, end) timing event pairs, one
+        # pair per launch in turn, so the previous launch's end is still unrecorded-over when a batch is collected
+        self._timing = self.device_timing
+        self._timers: list[tuple[Event, Event]] = []
+        self._launches = 0  # successful launches: the ring index of the next is launches % len(ring)
+        self._timer_of = [0] * self.pipeline_depth  # per output slot: the launch number its batch had
+        self._last_times: DeviceTimes | None = None
+        self._first_timed = 0  # the first launch after the captures: no idle time (the gap since creation)
         self._session: Any = None
         self._bindings: dict[int, Any] = {}
         self._run_options: dict[int, Any] = {}
@@ -125,6 +133,13 @@ class CudaGraphContext(CudaContext):
                         spare[name] = PinnedBuffer(nbytes)
             for _ in range(self.pipeline_depth):
                 self._events.append(Event(timing=False))  # one by one: _free destroys those made
+            for _ in range(self.pipeline_depth + 1 if self._timing else 0):
+                start = Event()
+                try:
+                    self._timers.append((start, Event()))
+                except BaseException:
+                    start.destroy()
+                    raise
             self._session = plan.session(self._stream, graphs=True)
             for size in self._sizes:
                 self._bindings[size] = self._bind(size)
@@ -136,6 +151,8 @@ class CudaGraphContext(CudaContext):
                     self._run(size, zeros)
                 except EngineError as exc:
                     raise EngineError(f"CUDA graph capture at batch {size} failed: {exc}") from exc
+        self._last_times = None  # the captures are not batches, and the first batch's idle time is not counted
+        self._first_timed = self._launches
         log.info("%s: CUDA graphs captured for batch sizes %s (%s, device %d)", plan.path.name, list(self._sizes),
                  plan.precision, plan.device_id)
 
@@ -177,6 +194,9 @@ class CudaGraphContext(CudaContext):
                     not isinstance(arr, RowParts) and self._buffers.needs_copy(name, arr)
                     for name, arr in inputs.items()):
                 stream.synchronize()
+            launch = self._launches
+            if self._timers:
+                self._timers[launch % len(self._timers)][0].record(stream)
             for name, arr in inputs.items():
                 queued = True
                 if isinstance(arr, RowParts):
@@ -188,6 +208,8 @@ class CudaGraphContext(CudaContext):
                 nbytes = n * int(np.prod(spec.shape[1:])) * self._dtypes[spec.name].itemsize
                 self._buffers.device[spec.name].copy_to_host_async(pinned[spec.name].ptr, nbytes, stream,
                                                                    repr(spec.name))
+            if self._timers:
+                self._timers[launch % len(self._timers)][1].record(stream)
             self._events[slot].record(stream)
         except Exception as exc:
             if queued:  # its copies may still read the inputs, or write the slot: let them run first
@@ -200,6 +222,8 @@ class CudaGraphContext(CudaContext):
                 raise
             raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc  # onnxruntime's own exception types
         self._generation[slot] += 1
+        self._timer_of[slot] = launch
+        self._launches = launch + 1
         return n, slot, self._generation[slot]
 
     def _wait(self, launched: tuple[int, int, int]) -> dict[str, np.ndarray]:
@@ -215,6 +239,7 @@ class CudaGraphContext(CudaContext):
         pinned = self._out_buffers(slot)
         try:
             self._events[slot].synchronize()
+            self._last_times = self._time(self._timer_of[slot]) if self._timers else None
             return {spec.name: np.array(pinned[spec.name].view((n, *spec.shape[1:]), self._dtypes[spec.name]),
                                         copy=True) for spec in self._plan.outputs}
         except EngineError:
@@ -223,6 +248,27 @@ class CudaGraphContext(CudaContext):
             raise EngineError(f"onnxruntime (cuda graphs): {exc}") from exc
         finally:
             self._free_slots.append(slot)
+
+    def _time(self, launch: int) -> DeviceTimes | None:
+        """The device times of launch number ``launch``, once its batch has completed: busy from its start event to
+        its end event, idle from the previous launch's end event to its start (stream order: the previous launch is
+        complete, and its pair is recorded over only ``len(ring)`` launches later, after this one is collected).
+        None (logged at debug) when CUDA refuses, which never fails the batch."""
+        ring = self._timers
+        start, end = ring[launch % len(ring)]
+        try:
+            busy = end.elapsed_ms(start) / 1e3
+            idle = (max(0.0, start.elapsed_ms(ring[(launch - 1) % len(ring)][1]) / 1e3)
+                    if launch > self._first_timed else None)
+        except CudaError as exc:
+            log.debug("device timing of launch %d failed: %s", launch, exc)
+            return None
+        return DeviceTimes(busy, idle)
+
+    def device_times(self) -> DeviceTimes | None:
+        """The device time of the batch last collected (or executed) and the stream's idle time before it
+        (:class:`~engines.base.DeviceTimes`; :attr:`device_timing`); on the context's thread."""
+        return self._last_times
 
     def _out_buffers(self, slot: int) -> dict[str, PinnedBuffer]:
         """Output slot ``slot``'s pinned buffers, by output name."""
@@ -374,9 +420,10 @@ class CudaGraphContext(CudaContext):
                 for buf in spare.values():
                     buf.free()
                 spare.clear()
-            for event in self._events:
+            for event in (*self._events, *(e for pair in self._timers for e in pair)):
                 event.destroy()
             self._events = []
+            self._timers = []
             if self._stream is not None:
                 self._stream.destroy()
                 self._stream = None

@@ -99,6 +99,34 @@ def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_re
         eng.release()
 
 
+def test_device_times_of_a_batch_queued_behind_another_show_no_idle_gap():
+    """CUDA timing events around each batch (engines.base.DeviceTimes): a batch launched behind the running one
+    starts as it ends (idle 0), one sent after a host pause of 20 ms shows that pause; busy is the batch's own
+    copies and kernels, far less than the pause."""
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=SIZES, gpu_execution="graphs")
+    ctx = eng.create_context()
+    try:
+        x = images(8)
+        ctx.execute({"input": x})
+        assert ctx.device_times().idle_s is None  # the context's first batch
+        time.sleep(0.02)
+        ctx.execute({"input": x})
+        alone = ctx.device_times()
+        assert 0.015 < alone.idle_s < 1.0 and 0.0 < alone.busy_s < 0.01
+        staged = [ctx.host_buffer("input", x.shape, x.dtype, slot=k) for k in (0, 1)]  # pinned: no wait to copy
+        for buf in staged:
+            buf[...] = x
+        first = ctx.launch({"input": staged[0]})
+        second = ctx.launch({"input": staged[1]})
+        ctx.collect(first)
+        ctx.collect(second)
+        behind = ctx.device_times()
+        assert behind.idle_s < 0.0001 and 0.0 < behind.busy_s < 0.01
+    finally:
+        ctx.release()
+        eng.release()
+
+
 def test_rows_read_in_place_from_registered_memory_match_cpu(cpu_reference):
     """The multi-process path: each request's rows where a front end wrote them (a ``cudaHostRegister``-ed area,
     scattered and back to back), one DMA per run, padding zeroed on the device, ``pipeline_depth`` batches on the

@@ -17,7 +17,7 @@ from batcher.config import ModelConfig, parse_config
 from batcher.executor import BatchResult
 from batcher.loader import Loaded
 from batcher.signature import ModelSignature
-from engines.base import Engine, EngineError, ExecutionContext, TensorSpec
+from engines.base import DeviceTimes, Engine, EngineError, ExecutionContext, TensorSpec
 
 MiB = 1 << 20
 
@@ -28,7 +28,8 @@ class FakeContext(ExecutionContext):
 
     Like a GPU context (``engines/base.py``): ``batch_sizes`` set, it refuses any other first dimension (EngineError)
     and stages inputs in one reused host buffer (:meth:`host_buffer`, left dirty between batches);
-    ``description`` is what :meth:`describe` says, ``device_nbytes`` its device memory."""
+    ``description`` is what :meth:`describe` says, ``device_nbytes`` its device memory; ``device_times``, when set,
+    is what :meth:`device_times` reports after each batch (a GPU context's timing events)."""
 
     def __init__(self, nbytes: int = 0, batch_sizes: tuple[int, ...] | None = None,
                  description: dict | None = None, device_nbytes: int = 0) -> None:
@@ -36,6 +37,7 @@ class FakeContext(ExecutionContext):
         self.inputs: list[np.ndarray] = []
         self.fail: Exception | None = None
         self.released = False
+        self.timed: DeviceTimes | None = None
         self._nbytes = nbytes
         self._batch_sizes = batch_sizes
         self._description = description or {}
@@ -54,6 +56,9 @@ class FakeContext(ExecutionContext):
         self.batches.append(x.shape[0])
         self.inputs.append(x.copy())
         return {"y": x * 2}
+
+    def device_times(self) -> DeviceTimes | None:
+        return self.timed
 
     def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
         return None if self._staging is None else self._staging[slot][: shape[0]]

@@ -22,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import engines.cuda as cuda
-from engines.base import EngineError
+from engines.base import DeviceTimes, EngineError
 from engines.cuda import CAPTURE_GATE, CaptureGate
 from engines.onnxruntime import CudaGraphContext, CudaSessionsContext, OnnxRuntimeEngine, cuda as ort_cuda
 from engines.onnxruntime.options import cuda_provider, fp16_path, resolve_precision
@@ -63,7 +63,8 @@ class Device:
         """Run what the streams queued (the H2D copies a kernel on the same stream would wait for)."""
         for sid in list(self.gpu.streams):
             ops, self.gpu.streams[sid] = self.gpu.streams[sid], []
-            for op in ops:
+            for op in ops:  # as the fake's own stream synchronize runs them: the clock first
+                self.gpu.clock_ms += getattr(op, "cost_ms", self.gpu.op_ms)
                 op()
 
     def syncs(self) -> int:
@@ -391,9 +392,9 @@ def test_device_memory_is_measured_and_everything_is_freed(device, tmp_path):
     # the fake's device memory is the context's buffers (the CPU session uses none): x and y at the largest size
     assert ctx.device_nbytes == ctx.nbytes == 8 * 4 * 4 + 8 * 3 * 4
     # pinned: x and y, x's second and third staging buffers (slots 1 and 2) and y's second output slot; an event
-    # per output slot
+    # per output slot, and the ring of three timing pairs (device_times)
     assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 5, "streams": before["streams"] + 1,
-                                   "events": 2}
+                                   "events": 2 + 3 * 2}
     ctx.release()
     ctx.release()  # idempotent
     assert device.gpu.counts() == before
@@ -586,6 +587,7 @@ async def test_the_batchers_pipeline_launches_and_collects_on_the_contexts_own_t
     for x, r in zip(xs, results):
         np.testing.assert_allclose(r.outcomes[0]["y"], _want(x), rtol=1e-6)  # 3 rows ran padded to 4
     assert [r.padded_rows for r in results] == [1, 0, 0]
+    assert [r.device.busy_s for r in results] == [pytest.approx(0.002)] * 3  # the contexts' timing events
     assert sorted(name for name, _ in seen) == ["collect"] * 3 + ["launch"] * 3
     assert {thread for _, thread in seen} == {owner}
     ex.close()
@@ -608,7 +610,10 @@ def test_the_raw_bench_measures_a_graph_context_batch_by_batch_and_one_batch_ahe
     ctx.launch, ctx.collect = launch, real_collect
     rows = measure_context(ctx, np.ones((8, 4), np.float32), 0.02, sizes=(1, 8), name="x")
     assert [r["batch"] for r in rows] == [1, 8, "mixed"]
-    assert all(set(r) == {"batch", "ms_per_batch", "rows_per_s", "sequential_rows_per_s"} for r in rows)
+    assert all(set(r) == {"batch", "ms_per_batch", "rows_per_s", "sequential_rows_per_s", "device_ms_per_batch"}
+               for r in rows)
+    # the device's time per batch from the context's timing events: its H2D and D2H copy, 1 ms each on the fake
+    assert [r["device_ms_per_batch"] for r in rows] == [2.0, 2.0, 2.0]
     assert max(outstanding) == 2  # each batch launched while the one before it was still on the device
     assert sorted(ctx._free_slots) == [0, 1]  # every launched batch collected
     ctx.release()
@@ -624,3 +629,45 @@ def test_back_to_back_parts_join_only_inside_one_locked_range():
     # a range boundary after row 2 (two adjacent mappings, each registered on its own): rows 0-2 | 3 | 5
     assert contiguous_runs(parts, lambda ptr, n: ptr + n <= base + 48 or ptr >= base + 48) == [
         (base, 48), (base + 48, 16), (base + 80, 16)]
+
+
+def test_device_times_come_from_timing_events_around_each_batch(device, tmp_path):
+    """Busy: the fake clock's ops between a batch's start and end events (its H2D and D2H copy, 1 ms each);
+    idle: the clock between the previous batch's end and this one's start (advanced by hand: the host late)."""
+    ctx = _engine(tmp_path).create_context()
+    assert ctx.device_times() is None  # nothing collected yet (the captures are not counted)
+    x = ctx.host_buffer("x", (2, 4), np.float32)
+    x[...] = 1.0
+    ctx.execute({"x": x})
+    # the H2D and the D2H copy, 1 ms each on the fake clock; no idle time before a context's first batch (the
+    # time since it was created)
+    assert ctx.device_times() == DeviceTimes(pytest.approx(0.002), None)
+    device.gpu.clock_ms += 5.0  # the device sits idle 5 ms before the next batch is sent
+    ctx.execute({"x": x})
+    assert ctx.device_times() == DeviceTimes(pytest.approx(0.002), pytest.approx(0.005))
+    # two batches launched one behind the other: the second is queued behind the first, no idle gap
+    y = ctx.host_buffer("x", (4, 4), np.float32, slot=1)
+    y[...] = 2.0
+    device.gpu.clock_ms += 3.0  # the host 3 ms late for the first of them: its idle gap
+    a, b = ctx.launch({"x": x}), ctx.launch({"x": y})
+    device.drain()
+    ctx.collect(a)
+    assert ctx.device_times() == DeviceTimes(pytest.approx(0.002), pytest.approx(0.003))
+    ctx.collect(b)
+    assert ctx.device_times() == DeviceTimes(pytest.approx(0.002), 0.0)
+    for _ in range(4):  # around the ring of event pairs more than once: every pair is the batch's own
+        device.gpu.clock_ms += 1.0
+        ctx.execute({"x": x})
+        assert ctx.device_times() == DeviceTimes(pytest.approx(0.002), pytest.approx(0.001))
+    ctx.release()
+    assert device.gpu.counts() == {"pinned": 0, "streams": 0}
+
+
+def test_device_timing_off_records_no_timing_events(device, tmp_path, monkeypatch):
+    monkeypatch.setattr(CudaGraphContext, "device_timing", False)
+    ctx = _engine(tmp_path).create_context()
+    records = device.gpu.calls["cudaEventRecord"]
+    ctx.execute({"x": np.ones((2, 4), np.float32)})
+    assert device.gpu.calls["cudaEventRecord"] - records == 1  # only the batch's own end event
+    assert ctx.device_times() is None
+    ctx.release()

@@ -17,7 +17,7 @@ from batcher.executor import BatchResult
 from batcher.metrics import Metrics
 from batcher.scheduler import ModelRunner
 from batcher.signature import ModelSignature
-from engines.base import EngineError, EngineUnavailable, TensorSpec
+from engines.base import DeviceTimes, EngineError, EngineUnavailable, TensorSpec
 
 pytestmark = pytest.mark.looptime
 
@@ -330,6 +330,24 @@ async def test_queue_metrics_and_statistics_follow_the_batches():
     sample = metrics.registry.get_sample_value
     assert sample("batcher_batch_size_count", {"model": "m", "version": "1"}) == 1
     assert sample("batcher_queue_depth", {"model": "m", "version": "1"}) == 0
+    await r.close()
+
+
+async def test_device_times_of_the_batches_reach_the_device_metrics():
+    r, ctxs, _, metrics = runner(seconds_per_row=0.010, max_queue_delay_microseconds=2000)
+    sample = metrics.registry.get_sample_value
+    labels = {"model": "m", "version": "1"}
+    await submit(r)  # an untimed context (CPU): no device series at all
+    assert sample("batcher_device_busy_seconds_total", labels) is None
+    ctxs[0].timed = DeviceTimes(busy_s=0.002, idle_s=None)  # the context's first timed batch: no idle gap yet
+    await submit(r)
+    ctxs[0].timed = DeviceTimes(busy_s=0.003, idle_s=0.0005)
+    await asyncio.gather(submit(r), submit(r))  # one batch of two
+    assert sample("batcher_device_busy_seconds_total", labels) == pytest.approx(0.005)
+    assert sample("batcher_device_idle_seconds_count", labels) == 1
+    assert sample("batcher_device_idle_seconds_sum", labels) == pytest.approx(0.0005)
+    assert sample("batcher_device_idle_seconds_bucket", {**labels, "le": "0.00025"}) == 0
+    assert sample("batcher_device_idle_seconds_bucket", {**labels, "le": "0.0005"}) == 1
     await r.close()
 
 
