@@ -10,7 +10,6 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,43 +57,33 @@ def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str]
     cfg = SweepConfig(url=server.url, model=model, mode="closed", concurrency=[clients], duration=args.duration,
                       warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
                       metrics_url=server.base + "/metrics")
-    before, scraped = server.metrics(), time.monotonic()
+    before = server.metrics()
     cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
     row = run_sweep(cfg, body, headers)[0]
     cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
     row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
     # the whole machine (server, load generator, kernel): is the box itself the bound?
     row["machine_busy_cores"] = (machine_busy_seconds() - busy0) / (time.monotonic() - t0)
-    row.update(batch_times(before, server.metrics(), model, time.monotonic() - scraped))
+    row.update(batch_times(before, server.metrics(), model))
     return row
 
 
-def batch_times(before: dict, after: dict, model: str, seconds: float) -> dict:
-    """The engine's own account of the step (warm-up included; ``seconds`` between the two scrapes), from
-    /metrics: ms per batch stacking inputs and executing (on the context's thread: copies, the engine, the wait for
-    the GPU), ms per request queued, and from the contexts' CUDA timing events the device's ms per batch, its idle
-    ms before each, and the share of the step its contexts kept a device busy (``device_busy_share``: 1.0 is one
-    device busy all the time; empty without timed contexts)."""
+def batch_times(before: dict, after: dict, model: str) -> dict:
+    """The engine's own account of the step (warm-up included), from /metrics: ms per batch stacking inputs and
+    executing (on the context's thread: copies, the engine, the wait for the GPU), ms per request queued, and from
+    the contexts' CUDA timing events the device's ms per batch (empty without timed contexts; the share of the
+    window the device was busy is the sweep's ``device_busy_share``)."""
     def delta(sample: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items()
                    if k[0] == sample and ("model", model) in k[1])
 
     batches = max(delta("batcher_execution_count_total"), 1.0)
+    busy = delta("batcher_device_busy_seconds_total")
     return {"stack_ms_per_batch": round(delta("batcher_compute_input_seconds_total") / batches * 1e3, 3),
             "execute_ms_per_batch": round(delta("batcher_compute_infer_seconds_total") / batches * 1e3, 3),
             "queue_ms_per_request": round(delta("batcher_queue_duration_seconds_sum")
                                           / max(delta("batcher_queue_duration_seconds_count"), 1.0) * 1e3, 3),
-            **device_times(delta, batches, seconds)}
-
-
-def device_times(delta: Callable[[str], float], batches: float, seconds: float) -> dict:
-    """``batch_times``' device columns (None without ``batcher_device_*`` samples: no timed context)."""
-    busy, gaps = delta("batcher_device_busy_seconds_total"), delta("batcher_device_idle_seconds_count")
-    if not busy:
-        return {"device_ms_per_batch": None, "device_idle_ms_per_batch": None, "device_busy_share": None}
-    return {"device_ms_per_batch": round(busy / batches * 1e3, 3),
-            "device_idle_ms_per_batch": round(delta("batcher_device_idle_seconds_sum") / max(gaps, 1.0) * 1e3, 3),
-            "device_busy_share": round(busy / max(seconds, 1e-9), 3)}
+            "device_ms_per_batch": round(busy / batches * 1e3, 3) if busy else None}
 
 
 def summary(row: dict, raw: list[dict], args, **keys) -> dict:
@@ -106,7 +95,8 @@ def summary(row: dict, raw: list[dict], args, **keys) -> dict:
             "errors_by_status": row.get("errors_by_status", ""),
             "server_cpu_ms_per_request": round(row["server_cpu_ms_per_request"], 3),
             **{k: row[k] for k in ("stack_ms_per_batch", "execute_ms_per_batch", "queue_ms_per_request",
-                                   "device_ms_per_batch", "device_idle_ms_per_batch", "device_busy_share")},
+                                   "device_ms_per_batch")},
+            "device_busy_share": round(row["device_busy_share"], 3) if row.get("device_busy_share") else None,
             "machine_busy_cores": f"{row['machine_busy_cores']:.1f}/{os.cpu_count()}",
             "raw_rows_per_s_at_batch": round(ref, 1) if ref else None,
             "over_raw": round(float(row["achieved_qps"]) / ref, 3) if ref else None}

@@ -23,7 +23,7 @@ from bench.sweep.drivers import CLIENT_OVERLOAD, OUTCOME_NAMES
 COLUMNS = [
     "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",
     "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "errors_by_status", "client_overload",
-    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth",
+    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth", "device_busy_share",
 ]
 
 COLUMN_DOCS = {
@@ -50,6 +50,9 @@ COLUMN_DOCS = {
     "duration_s": "window length",
     "avg_queue_depth": "requests waiting in the model's queue, time average over the window (Little's law: delta "
                        "of the queue-time sum from /metrics / seconds between the scrapes); blank if unavailable",
+    "device_busy_share": "device seconds of the model's batches over the window (delta of "
+                         "batcher_device_busy_seconds_total / seconds between the scrapes; CUDA timing events): 1.0 "
+                         "is one GPU context busy all the time; blank without it (CPU, other servers)",
 }
 
 #: What ``python -m bench sweep`` says when it cannot draw ``sweep.png``.
@@ -174,19 +177,34 @@ _QUEUE_SUMS = {"batcher_queue_duration_seconds_sum": 1.0, "nv_inference_queue_du
 def queue_seconds(metrics_text: str | None, model: str, version: str | None = None) -> float | None:
     """Seconds requests of ``model`` have spent queued so far (ours: ``batcher_queue_duration_seconds_sum``;
     Triton: ``nv_inference_queue_duration_us``), summed over versions unless ``version``; None if absent."""
-    found = [s for s in _samples(metrics_text) or [] if s.name in _QUEUE_SUMS]
+    return _model_seconds(metrics_text, _QUEUE_SUMS, model, version)
+
+
+def device_busy_seconds(metrics_text: str | None, model: str, version: str | None = None) -> float | None:
+    """Seconds of device time of ``model``'s batches so far (``batcher_device_busy_seconds_total``, from CUDA
+    timing events), summed over versions unless ``version``; None if absent (no timed context, other servers)."""
+    return _model_seconds(metrics_text, {"batcher_device_busy_seconds_total": 1.0}, model, version)
+
+
+def _model_seconds(metrics_text: str | None, scales: dict[str, float], model: str, version: str | None
+                   ) -> float | None:
+    found = [s for s in _samples(metrics_text) or [] if s.name in scales]
     if not found:
         return None
-    return sum(s.value * _QUEUE_SUMS[s.name] for s in found if _of_model(s, model, version))
+    return sum(s.value * scales[s.name] for s in found if _of_model(s, model, version))
 
 
-def avg_queue_depth(before: tuple[float | None, float], after: tuple[float | None, float]) -> float | None:
-    """Time-average number of queued requests between two ``(queue_seconds, wall time)`` scrapes (Little's law:
-    the queue time accumulated over the interval / its length)."""
+def per_second(before: tuple[float | None, float], after: tuple[float | None, float]) -> float | None:
+    """The growth per second of a total between two ``(total, wall time)`` scrapes; None when a total is absent
+    or no time passed. Of the queue-time sum: the time-average number of queued requests (Little's law,
+    ``avg_queue_depth``); of the device seconds: the share of the window a device was busy."""
     (q0, t0), (q1, t1) = before, after
     if q0 is None or q1 is None or t1 <= t0:
         return None
     return (q1 - q0) / (t1 - t0)
+
+
+avg_queue_depth = per_second
 
 
 def avg_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
@@ -279,7 +297,7 @@ def write_json(path: Path, doc) -> Path:
 
 
 _DIGITS = {"offered_qps": 2, "scheduled_qps": 2, "achieved_qps": 2, "avg_batch_size": 2, "duration_s": 3,
-           "avg_queue_depth": 2}
+           "avg_queue_depth": 2, "device_busy_share": 3}
 
 _TABLE = [("offered", "offered_qps", 1), ("clients", "concurrency", 0), ("achieved", "achieved_qps", 1),
           ("ok", "ok", 0), ("errors", "errors", 0), ("p50 ms", "p50_ms", 2), ("p90 ms", "p90_ms", 2),

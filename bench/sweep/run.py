@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from bench.sweep.arrivals import arrival_times
 from bench.sweep.drivers import Job, Samples, client_processes, run_jobs, split
-from bench.sweep.report import avg_batch, avg_queue_depth, batch_counters, measured_wall, queue_seconds, summarize
+from bench.sweep.report import (avg_batch, avg_queue_depth, batch_counters, device_busy_seconds, measured_wall,
+                                per_second, queue_seconds, summarize)
 from bench.sweep.requests import infer_url
 
 
@@ -73,7 +74,9 @@ def _row(cfg: SweepConfig, k: int, level: float, s: Samples, before: tuple[str |
             "avg_batch_size": avg_batch(batch_counters(before_text, cfg.model, cfg.version),
                                         batch_counters(after_text, cfg.model, cfg.version)),
             "avg_queue_depth": avg_queue_depth((queue_seconds(before_text, cfg.model, cfg.version), before_t),
-                                               (queue_seconds(after_text, cfg.model, cfg.version), after_t))}
+                                               (queue_seconds(after_text, cfg.model, cfg.version), after_t)),
+            "device_busy_share": per_second((device_busy_seconds(before_text, cfg.model, cfg.version), before_t),
+                                            (device_busy_seconds(after_text, cfg.model, cfg.version), after_t))}
 
 
 async def _sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], pool, bar, rows: list[dict],

@@ -23,7 +23,7 @@ from bench.sweep.requests import build_request, decode_response, parse_shape, re
 CSV_COLUMNS = [
     "step", "mode", "offered_qps", "scheduled_qps", "concurrency", "achieved_qps", "requests", "ok", "errors",
     "p50_ms", "p90_ms", "p99_ms", "max_ms", "avg_batch_size", "errors_by_status", "client_overload",
-    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth",
+    "peak_inflight", "send_lag_p99_ms", "duration_s", "avg_queue_depth", "device_busy_share",
 ]
 
 
@@ -156,6 +156,20 @@ batcher_queue_duration_seconds_count{model="m",version="2"} 2.0
     assert report.avg_queue_depth((2.0, 100.0), (14.0, 104.0)) == 3.0
     assert report.avg_queue_depth((None, 100.0), (14.0, 104.0)) is None
     assert report.avg_queue_depth((2.0, 100.0), (14.0, 100.0)) is None
+
+
+def test_device_busy_share_from_the_device_seconds_between_two_scrapes():
+    def text(busy_m: float, busy_other: float) -> str:
+        return ("# TYPE batcher_device_busy_seconds counter\n"
+                f'batcher_device_busy_seconds_total{{model="m",version="1"}} {busy_m}\n'
+                f'batcher_device_busy_seconds_total{{model="other",version="1"}} {busy_other}\n')
+
+    assert report.device_busy_seconds(text(1.5, 9.0), "m") == 1.5
+    assert report.device_busy_seconds("# TYPE up gauge\nup 1\n", "m") is None  # a CPU model, another server
+    # 3.2 s of device time over a 4 s window: the device busy 80 % of it
+    before = (report.device_busy_seconds(text(1.5, 9.0), "m"), 100.0)
+    after = (report.device_busy_seconds(text(4.7, 20.0), "m"), 104.0)
+    assert report.per_second(before, after) == pytest.approx(0.8)
 
 
 # ------------------------------------------------------------------------------------------ inputs, requests
