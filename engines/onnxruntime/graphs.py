@@ -93,7 +93,7 @@ class CudaGraphContext(CudaContext):
                               + ", ".join(f"{s.name} {list(s.shape)}" for s in plan.inputs + plan.outputs))
         super().__init__(plan, tuple(batch_sizes))
         self._dtypes = {s.name: plan.dtype(s.name) for s in plan.inputs + plan.outputs}
-        # staging slots 1 and 2 (host_buffer(..., slot=k)), one pinned buffer per input each
+        # staging slots 1 .. staging_slots - 1 (host_buffer(..., slot=k)), one pinned buffer per input each
         self._spare: list[dict[str, PinnedBuffer]] = [{} for _ in range(self.staging_slots - 1)]
         # output slots (:attr:`pipeline_depth`): slot 0's pinned output buffers are ``_buffers.pinned``, the
         # others' ``_out_spare``; one event per slot marks the end of its batch's D2H
@@ -125,7 +125,7 @@ class CudaGraphContext(CudaContext):
             for name, shape in (plan.static_shapes(self._sizes[-1]) or {}).items():
                 nbytes = int(np.prod(shape)) * self._dtypes[name].itemsize
                 self._buffers.ensure(name, nbytes)
-                if name not in self._output_names:  # staging slots 1, 2: the next batches are stacked there
+                if name not in self._output_names:  # staging slots 1 and up: the next batches are stacked there
                     for spare in self._spare:
                         spare[name] = PinnedBuffer(nbytes)
                 else:  # output slot 1: the D2H of a batch launched behind another
@@ -368,12 +368,17 @@ class CudaGraphContext(CudaContext):
     def executor(self) -> Executor | None:
         return self._thread.pool if self._thread is not None else None
 
-    #: three pinned staging buffers per input: while one batch is sent, the next is stacked, and a full one after
-    #: it may be (the scheduler's lookahead, :data:`batcher.scheduler.LOOKAHEAD_SLOT`)
-    staging_slots = 3
+    #: four pinned staging buffers per input: while one batch is sent, the next is stacked, and two full ones after
+    #: it may be (the scheduler's lookahead, :data:`batcher.scheduler.LOOKAHEAD_SLOT`). A batch's slot comes back
+    #: only through the event loop once it is answered, so lookahead slots are what keeps the device fed while
+    #: that hand-off lags. Measured on the H200 (``bench.gpu_scale --parts r,m``, 8 front ends, system shm,
+    #: four runs each over two leases): 9,770 / 9,703 / 9,285 / 10,258 req/s with 4 against 7,284 / 8,728 /
+    #: 8,302 / 9,428 with 3 (device busy 0.64-0.77 of the window against 0.52-0.73), binary HTTP equal
+    #: (8,514 against 8,519 on average); 6 slots were no better than 4 (bench/results/gpu_scale/day6/)
+    staging_slots = 4
 
     def host_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype, slot: int = 0) -> np.ndarray | None:
-        """A view of input ``name``'s pinned staging buffer ``slot`` (0, 1 or 2; fixed, sized for the largest
+        """A view of input ``name``'s pinned staging buffer ``slot`` (0 .. :attr:`staging_slots` - 1; fixed, sized for the largest
         allowed batch), or ``None`` when ``name`` is no input, the dtype differs or the shape does not fit. All are
         page-locked, so :meth:`execute` sends any straight to the device."""
         pinned = (self._buffers.pinned if slot == 0 else self._spare[slot - 1]).get(name)

@@ -219,20 +219,21 @@ def test_staging_buffer_is_read_in_place(device, tmp_path):
     ctx.release()
 
 
-def test_three_staging_buffers_each_read_in_place(device, tmp_path):
-    """A graph context offers three pinned staging buffers (the executor stacks the next batches into two while
-    the batch in the third runs); each is sent straight to the device, and none disturbs another."""
+def test_four_staging_buffers_each_read_in_place(device, tmp_path):
+    """A graph context offers four pinned staging buffers (the executor stacks the next batches into the others
+    while the batch in one runs); each is sent straight to the device, and none disturbs another."""
     ctx = _engine(tmp_path).create_context()
-    assert ctx.staging_slots == 3
-    bufs = [ctx.host_buffer("x", (4, 4), np.float32, slot=k) for k in range(3)]
-    assert len({b.ctypes.data for b in bufs}) == 3 and all(b.ctypes.data in device.gpu.host for b in bufs)
+    assert ctx.staging_slots == 4
+    bufs = [ctx.host_buffer("x", (4, 4), np.float32, slot=k) for k in range(4)]
+    assert len({b.ctypes.data for b in bufs}) == 4 and all(b.ctypes.data in device.gpu.host for b in bufs)
     for k, b in enumerate(bufs):
         b[:] = float(k + 1)
     srcs = _copies(device)  # (source, bytes, kind) of every cudaMemcpyAsync from here on
-    ys = [ctx.execute({"x": bufs[k]})["y"] for k in (2, 0, 1)]
-    for k, y in zip((2, 0, 1), ys):
+    order = (2, 0, 3, 1)
+    ys = [ctx.execute({"x": bufs[k]})["y"] for k in order]
+    for k, y in zip(order, ys):
         np.testing.assert_allclose(y, _want(np.full((4, 4), float(k + 1), np.float32)), rtol=1e-6)
-    assert [src for src, _, kind in srcs if kind == 1] == [bufs[k].ctypes.data for k in (2, 0, 1)]
+    assert [src for src, _, kind in srcs if kind == 1] == [bufs[k].ctypes.data for k in order]
     ctx.release()
 
 
@@ -391,9 +392,9 @@ def test_device_memory_is_measured_and_everything_is_freed(device, tmp_path):
     ctx = eng.create_context()
     # the fake's device memory is the context's buffers (the CPU session uses none): x and y at the largest size
     assert ctx.device_nbytes == ctx.nbytes == 8 * 4 * 4 + 8 * 3 * 4
-    # pinned: x and y, x's second and third staging buffers (slots 1 and 2) and y's second output slot; an event
-    # per output slot, and the ring of three timing pairs (device_times)
-    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 5, "streams": before["streams"] + 1,
+    # pinned: x and y, x's staging buffers 1, 2 and 3 and y's second output slot; an event per output slot, and
+    # the ring of three timing pairs (device_times)
+    assert device.gpu.counts() == {**before, "cudaMalloc": 2, "pinned": 6, "streams": before["streams"] + 1,
                                    "events": 2 + 3 * 2}
     ctx.release()
     ctx.release()  # idempotent
