@@ -672,3 +672,41 @@ def test_device_timing_off_records_no_timing_events(device, tmp_path, monkeypatc
     assert device.gpu.calls["cudaEventRecord"] - records == 1  # only the batch's own end event
     assert ctx.device_times() is None
     ctx.release()
+
+
+async def test_batches_read_in_place_are_staged_on_the_event_loop_and_others_on_the_staging_thread(device, tmp_path,
+                                                                                                   monkeypatch):
+    """ThreadExecutor.pipeline: a batch whose every request lies in registered memory is staged on the event loop
+    (stage_in_place: no copy, no staging thread) and handed to the context's thread; a batch with a pageable
+    request goes to the staging thread (stage_batch) as before. Both answer exactly."""
+    import batcher.executor as executor
+    from batcher.batching import Pending, shape_key
+    from batcher.executor import ThreadExecutor
+
+    staged_on: list[tuple[str, int]] = []
+    for name in ("stage_batch", "stage_in_place"):
+        real = getattr(executor, name)
+        monkeypatch.setattr(executor, name, lambda *a, real=real, name=name, **k: (
+            staged_on.append((name, threading.get_ident())), real(*a, **k))[1])
+    ctx = _engine(tmp_path).create_context()
+    area = np.zeros((8, 4), np.float32)
+    reg = cuda.HostRegistration(area.ctypes.data, area.nbytes)
+    area[:] = np.arange(32, dtype=np.float32).reshape(8, 4) / 7
+    ex = ThreadExecutor(ctx, "t")
+    loop_thread = threading.get_ident()
+    registered = [Pending({"x": v}, len(v), shape_key({"x": v}), arrival=0.0) for v in (area[0:2], area[4:5])]
+    result = await ex.pipeline((registered, "m", None, lambda: 0.0, (1, 2, 4, 8), True), 0)
+    assert staged_on == [("stage_in_place", loop_thread)]
+    assert isinstance(result.outcomes[0], dict) and result.padded_rows == 1
+    for p, out in zip(registered, result.outcomes):
+        np.testing.assert_allclose(out["y"], _want(p.inputs["x"]), rtol=1e-6, atol=1e-6)
+    pageable = np.full((1, 4), 3.0, np.float32)
+    mixed = registered[:1] + [Pending({"x": pageable}, 1, shape_key({"x": pageable}), arrival=0.0)]
+    staged_on.clear()
+    result = await ex.pipeline((mixed, "m", None, lambda: 0.0, (1, 2, 4, 8), True), 1)
+    assert [name for name, _ in staged_on] == ["stage_in_place", "stage_batch"]
+    assert staged_on[0][1] == loop_thread and staged_on[1][1] != loop_thread  # tried here, then the thread
+    np.testing.assert_allclose(result.outcomes[1]["y"], _want(pageable), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(result.outcomes[0]["y"], _want(area[0:2]), rtol=1e-6, atol=1e-6)
+    ex.close()
+    reg.unregister()
