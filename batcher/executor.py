@@ -102,53 +102,6 @@ def stage_batch(ctx: ExecutionContext, batch: Sequence[Pending], model: str, bat
             whole (no stacking, no padding) and whose outputs :func:`run_batch` passes whole.
         slot: which of the context's staging buffers to stack into (``host_buffer(..., slot=slot)``).
     """
-    staged = _drop_late(batch, model, batch_s, now, batched, slot)
-    if not batched and staged.live:
-        staged.inputs = staged.live[0].inputs
-    elif staged.live:
-        t0 = time.perf_counter()
-        try:
-            staged.pad = padded_size(staged.rows, allowed) - staged.rows
-            staged.inputs = stack_inputs(staged.live, _staging(ctx, slot), staged.rows + staged.pad, ctx.gather_rows)
-        except (EngineError, ValueError) as exc:
-            staged.error = exc
-        staged.seconds = time.perf_counter() - t0
-    return staged
-
-
-def stage_in_place(ctx: ExecutionContext, batch: Sequence[Pending], model: str, batch_s: float | None,
-                   now: Callable[[], float] = time.monotonic, allowed: Sequence[int] | None = None,
-                   batched: bool = True, slot: int = 0) -> Staged | None:
-    """:func:`stage_batch` when it copies nothing: every input of the batch is read where it lies
-    (:meth:`~engines.base.ExecutionContext.gather_rows` gives :class:`~engines.base.RowParts` for each, e.g. the
-    front ends' registered shared areas of multi-process mode), or nothing runs. Cheap enough for the event loop
-    (the deadline checks and one page-locked lookup per request and input); None when some input would have to be
-    stacked, or anything fails: then :func:`stage_batch` on a thread does it (and reports the failure)."""
-    staged = _drop_late(batch, model, batch_s, now, batched, slot)
-    if not staged.live:
-        return staged
-    if not batched:
-        return None  # passed whole: cheap too, but such models have no staging thread to spare
-    t0 = time.perf_counter()
-    try:
-        staged.pad = padded_size(staged.rows, allowed) - staged.rows
-        inputs = {}
-        for name in staged.live[0].inputs:
-            parts = ctx.gather_rows(name, [p.inputs[name] for p in staged.live], staged.rows + staged.pad)
-            if parts is None:
-                return None
-            inputs[name] = parts
-    except (EngineError, ValueError):
-        return None
-    staged.inputs = inputs
-    staged.seconds = time.perf_counter() - t0
-    return staged
-
-
-def _drop_late(batch: Sequence[Pending], model: str, batch_s: float | None, now: Callable[[], float],
-               batched: bool, slot: int) -> Staged:
-    """A batch's :class:`Staged` before its inputs: the requests that could not finish before their deadline
-    dropped (:func:`stage_batch`), nothing stacked yet."""
     finish = now() + (batch_s or 0.0)
     dropped: dict[int, BatcherError] = {}
     live = []
@@ -158,7 +111,19 @@ def _drop_late(batch: Sequence[Pending], model: str, batch_s: float | None, now:
                 f"model '{model}': deadline expired, or would before execution finished; not executed")
         else:
             live.append(p)
-    return Staged(batch, live, dropped, sum(p.rows for p in live), 0, slot, batched)
+    rows = sum(p.rows for p in live)
+    staged = Staged(batch, live, dropped, rows, 0, slot, batched)
+    if not batched and live:
+        staged.inputs = live[0].inputs
+    elif live:
+        t0 = time.perf_counter()
+        try:
+            staged.pad = padded_size(rows, allowed) - rows
+            staged.inputs = stack_inputs(live, _staging(ctx, slot), rows + staged.pad, ctx.gather_rows)
+        except (EngineError, ValueError) as exc:
+            staged.error = exc
+        staged.seconds = time.perf_counter() - t0
+    return staged
 
 
 def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequence[int] | None = None
@@ -454,9 +419,6 @@ class ThreadExecutor:
         self.depth = max(1, getattr(context, "staging_slots", 1))
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-stage") if self.depth > 1 else None
         self._device = DevicePipeline(context, self._pool) if self.depth > 1 else None
-        # a context that reads requests' inputs where they lie: batches that need no copy are staged on the event
-        # loop and handed straight to the context's thread (no staging thread's turn for the GIL on the way)
-        self._in_place = type(context).gather_rows is not ExecutionContext.gather_rows
         self._inline_s = inline_s if self._own and self.depth == 1 else 0.0
         self._measured_n = 0
         self._average_s = 0.0  # moving average of the batches' times
@@ -496,27 +458,11 @@ class ThreadExecutor:
         """One batch staged on the staging thread into staging buffer ``slot``, which hands it straight to the
         context's thread (:class:`DevicePipeline`); the future gives its :class:`BatchResult`, and ``done(future)``
         runs on the event loop in the callback that settles it. ``args``: :func:`stage_batch`'s after the context
-        (batch, model, estimate, clock, allowed, batched).
-
-        A batch whose inputs the context reads where they lie (:func:`stage_in_place`: every request's array in
-        registered memory, the front ends' shared areas) is staged here on the event loop instead and handed to
-        the context's thread at once: it copies nothing, and skips the staging thread's wait for the GIL and the
-        hop (on the H200 the hand-off of a batch's staging slot through the event loop and that thread was what
-        left the device idle; README "Many front ends, shared memory, two GPUs"). Such a batch may reach the
-        device before one staged on the thread just before it."""
+        (batch, model, estimate, clock, allowed, batched)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         device = self._device
         assert self._stager is not None and device is not None, "pipeline() needs depth >= 2"
-        if self._in_place:
-            try:
-                staged = stage_in_place(self.context, *args, slot)
-            except Exception:  # a bug: the staging thread's stage_batch fails the batch with it
-                log.debug("staging in place failed; staging on the thread", exc_info=True)
-                staged = None
-            if staged is not None:
-                device.put(_Job(staged, args[1], args[4], loop, future, done))
-                return future
 
         def stage() -> None:
             try:
