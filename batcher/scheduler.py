@@ -81,7 +81,8 @@ def _batch_result(model: str, fut: asyncio.Future, requests: int) -> BatchResult
 
 
 #: the first staging slot whose token takes full batches only (:meth:`ModelRunner._batcher`): a pipelined
-#: executor stages a batch while one runs (slots 0 and 1) and, with a third slot, one more when it is full.
+#: executor stages a batch while one runs (slots 0 and 1) and, with more slots (a CUDA-graph context has four),
+#: one more per slot while full batches are queued.
 LOOKAHEAD_SLOT = 2
 
 
