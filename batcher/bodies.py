@@ -13,8 +13,15 @@ for plain JSON. Here, one rule for every coding (RFC 9110, 8.4):
   decompression stops as soon as its output passes it (**413**), so a small compressed body never inflates past
   the limit in memory. A declared ``Content-Length``
   over the limit is refused before anything is read.
-* Whatever was read of a refused body is dropped before the error is raised, so nothing of it stays referenced
-  from the exception's traceback until the cyclic garbage collector runs.
+* Whatever was read of a body that is not returned - refused, or its client gone, or its handler cancelled - is
+  dropped before the exception leaves :func:`_read`, so nothing of it stays referenced from the exception's
+  traceback until the cyclic garbage collector runs (a client that started 12 MB uploads and hung up kept each
+  one's bytes alive: the process grew by the bytes read while the budget's gauge was back at 0).
+* A client that goes away while its body is being read (aiohttp sets ``ConnectionResetError`` on the body stream
+  and, with ``handler_cancellation``, cancels the handler; which of the two the handler sees first depends on the
+  Python version's ``asyncio.wait_for``) ends the request as a cancellation: :func:`read_body` raises
+  ``asyncio.CancelledError``, so the request is counted ``canceled`` as when it goes away while queued, never
+  ``other`` (a server bug).
 * Multi-member gzip (RFC 1952, 2.2: ``cat a.gz b.gz``) decodes every member, the output cap counting across them;
   anything after a member that does not start a new one is a 400. ``deflate`` has no members: data after its end is
   a 400.
@@ -219,27 +226,31 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         UnsupportedMediaType (415): unknown content coding. PayloadTooLarge (413): the body, or its decoded form,
         is over ``max_bytes``, or the body with its decoded form over the whole budget. Unavailable (503 +
         Retry-After): the budget has no room for it now (nothing read). InvalidInput (400): it does not decode.
-        RequestTimeout (408): it did not arrive within ``timeout_s``.
+        RequestTimeout (408): it did not arrive within ``timeout_s``. asyncio.CancelledError: the client went away
+        before its body was read (module docstring).
     """
-    codings = content_codings(request.headers.get("Content-Encoding"))
-    declared = request.content_length
-    check_declared(declared, max_bytes)
-    plain = not codings and declared is not None
-    whole = plain and request.content.is_eof()
-    small = plain and declared <= UNCOUNTED_BYTES  # not counted (module docstring)
-    if whole and small:
-        return await request.read()  # most small requests: arrived, no reservation, no timer, no task
-    held = request.get(RESERVATION)
-    if held is None:
-        held = request[RESERVATION] = Reservation(request.app[BUDGET])
-    if declared is not None and not small:
-        held.grow(declared)  # before anything is read: a body that does not fit is refused unread
-    if whole:
-        return await request.read()  # all of it has arrived already: no timer, no task
-    try:
-        return await asyncio.wait_for(_read(request, codings, max_bytes, held, declared is None), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
+    try:  # costs nothing until something is raised
+        codings = content_codings(request.headers.get("Content-Encoding"))
+        declared = request.content_length
+        check_declared(declared, max_bytes)
+        plain = not codings and declared is not None
+        whole = plain and request.content.is_eof()
+        small = plain and declared <= UNCOUNTED_BYTES  # not counted (module docstring)
+        if whole and small:
+            return await request.read()  # most small requests: arrived, no reservation, no timer, no task
+        held = request.get(RESERVATION)
+        if held is None:
+            held = request[RESERVATION] = Reservation(request.app[BUDGET])
+        if declared is not None and not small:
+            held.grow(declared)  # before anything is read: a body that does not fit is refused unread
+        if whole:
+            return await request.read()  # all of it has arrived already: no timer, no task
+        try:
+            return await asyncio.wait_for(_read(request, codings, max_bytes, held, declared is None), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
+    except ConnectionError:  # the client went away mid-body: its handler is being cancelled (module docstring)
+        raise asyncio.CancelledError("the client disconnected while its request body was being read") from None
 
 
 async def _read(request: web.Request, codings: list[str], max_bytes: int, held: Reservation, chunked: bool) -> bytes:
@@ -275,6 +286,10 @@ async def _read(request: web.Request, codings: list[str], max_bytes: int, held: 
         refused = InvalidInput(f"request body is not well-formed HTTP: {exc.message}")
     except (PayloadTooLarge, Unavailable) as exc:  # the budget's
         refused = exc
+    except BaseException:  # the client went away (ConnectionResetError), the handler cancelled, the read timed out
+        parts.clear()  # as below: this frame stays referenced from the exception's traceback
+        chunk = decoders = None  # noqa: F841
+        raise
     if refused is not None:
         # nothing of a refused body may stay referenced from this frame: the exception's traceback holds the frame,
         # and asyncio's wait_for makes that a reference cycle, freed only by the cyclic garbage collector

@@ -1,16 +1,20 @@
 """SIGTERM while request bodies are still arriving (issue 11): every request whose headers reached the server before
 SIGTERM is accepted, its body read and answered 200 within the grace period; a request sent after SIGTERM gets 503,
 and on a keep-alive connection the server closes the connection after it (``Connection: close``), so the client's
-next request goes to a new connection rather than one the server is about to close under it.
+next request goes to a new connection rather than one the server is about to close under it. Clients connecting
+while the drain ends are answered or refused, never reset (``batcher.app.close_the_door``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from collections import Counter
 
 import numpy as np
 import orjson
+import pytest
+from helpers import string_models, until
 
 from bench.server import ServerProcess
 
@@ -84,3 +88,92 @@ async def test_sigterm_with_bodies_in_flight_answers_every_accepted_request(tmp_
         assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
     finally:
         server.stop()
+
+
+F2STR_BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, -2]}]})
+STORM_CLIENTS = 32
+
+
+def _f2str_request(body: bytes = F2STR_BODY) -> bytes:
+    return (b"POST /v2/models/f2str/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+            % len(body) + body)
+
+
+def _outcome(data: bytes) -> str:
+    """A whole answer read to the server's close: its status; a 503 only with Retry-After and Connection: close."""
+    if not data:
+        return "closed without an answer"
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip().lower() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+    status = lines[0].split(" ", 2)[1]
+    if len(body) != int(headers.get("content-length", -1)):
+        return f"{status} cut short"
+    if status == "503" and not (headers.get("retry-after") and headers.get("connection") == "close"):
+        return "503 without Retry-After and Connection: close"
+    return status
+
+
+@pytest.mark.parametrize("frontends", [0, 2], ids=["single", "multi"])
+async def test_connections_made_while_the_drain_ends_are_answered_or_refused_never_reset(start_server, tmp_path,
+                                                                                          frontends):
+    """The tester's report: clients connecting while the drain ended got connection resets - those whose handshake
+    the kernel had completed into the listen backlog when the port closed (the server had not taken them yet), and
+    those taken in its last moments whose request was never read - and some a close with no answer. Here clients
+    connect one request after another without pause, through SIGTERM and the end of the drain (an upload held
+    mid-body keeps the drain going until the clients have been answered 503): every connection gets a whole answer
+    (200 before SIGTERM, 503 + Retry-After + Connection: close after it) or, once the port is closed, is refused;
+    nothing is reset or left unanswered, and the server exits 0 without an error line."""
+    (tmp_path / "models").mkdir()
+    config = {"server": {"frontends": frontends, "shutdown_grace_s": 60, "read_timeout_s": 60},
+              "models": [{"name": "f2str", "path": string_models(tmp_path / "models")["f2str"], "max_batch_size": 4}]}
+    server = start_server(config)
+    outcomes: Counter[str] = Counter()
+
+    async def client() -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            except ConnectionRefusedError:
+                outcomes["refused"] += 1  # the port is closed for good
+                return
+            except OSError as exc:
+                outcomes[f"connect: {exc!r}"] += 1
+                return
+            try:
+                if writer.get_extra_info("sockname")[1] == server.port:  # nothing listens: connected to itself
+                    outcomes["refused"] += 1
+                    return
+                writer.write(_f2str_request())
+                await writer.drain()
+                outcomes[_outcome(await reader.read())] += 1
+            except ConnectionResetError:
+                outcomes["reset"] += 1
+            finally:
+                writer.close()
+
+    held_body = F2STR_BODY + b" " * 100_000  # counted against the body budget, read in chunks: held mid-body
+    held_raw = _f2str_request(held_body)
+    clients = [asyncio.create_task(client()) for _ in range(STORM_CLIENTS)]
+    try:
+        await until(lambda: outcomes["200"] >= 50, timeout_s=60)
+        held_reader, held_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        held_writer.write(held_raw[:len(held_raw) // 2])
+        await held_writer.drain()
+        await until(lambda: server.metric("batcher_inflight_body_bytes") == len(held_body), timeout_s=60)
+        server.proc.send_signal(signal.SIGTERM)
+        await until(lambda: outcomes["503 without Retry-After and Connection: close"] + outcomes["503"] >= 50,
+                    timeout_s=60)
+        held_writer.write(held_raw[len(held_raw) // 2:])  # the last accepted request: the drain ends with it
+        await held_writer.drain()
+        assert _outcome(await asyncio.wait_for(held_reader.read(), 60)) == "200"
+        held_writer.close()
+        await asyncio.wait_for(asyncio.gather(*clients), 60)
+    finally:
+        for task in clients:
+            task.cancel()
+    assert await asyncio.to_thread(server.proc.wait, 60) == 0
+    assert set(outcomes) == {"200", "503", "refused"}, outcomes
+    assert outcomes["refused"] == STORM_CLIENTS
+    log = server.log()
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
