@@ -243,8 +243,11 @@ class ModelRunner:
         self.metrics.queue_depth.set(self._depth)
 
     def _settle_queued(self, p: Pending) -> None:
-        """Take a QUEUED request out of the queue's count (it stays in the list until the next purge)."""
+        """Take a QUEUED request out of the queue's count (it stays in the list until the next purge, without its
+        inputs: a withdrawn binary request's arrays are views of its whole body, which must not wait for the purge
+        to be freed)."""
         p.settle()
+        p.inputs = {}
         self._queued_rows -= p.rows
         self._set_depth(self._depth - 1)
 

@@ -512,3 +512,30 @@ async def test_a_model_without_a_batch_dim_runs_each_request_alone_with_its_full
     assert now() - t0 == pytest.approx(0.030)  # one after another, 10 ms each
     assert r.stats.execution_count == 3 and r.stats.inference_count == 3
     await r.close()
+
+
+async def test_a_request_withdrawn_from_the_queue_lets_its_inputs_go_before_the_next_batch():
+    """A client that goes away while its request waits in the batch window: the request is never executed and its
+    inputs (in binary mode, views of its whole body) are released at once, not when a later batch purges the
+    queue (the new-user report: 40 cancelled 2.4 MB requests stayed alive at queue depth 0)."""
+    import gc
+    import weakref
+
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=10_000_000)  # a window nothing ends in this test
+    x = rows(1)
+    ref = weakref.ref(x["x"])
+    task = asyncio.ensure_future(r.infer(x, rows=1, received=asyncio.get_running_loop().time(), deadline=None))
+    del x
+    await asyncio.sleep(0)
+    assert r.queue_depth == 1
+    task.cancel()
+    await asyncio.wait([task])
+    assert task.cancelled()
+    del task  # its cancellation's traceback holds the caller's frame, and so the inputs, as a handler's does
+    gc.disable()  # freed by reference counting, not by a collection that happens to run
+    try:
+        assert r.queue_depth == 0 and ref() is None
+    finally:
+        gc.enable()
+    assert ctxs[0].batches == []
+    await r.close()
