@@ -2,7 +2,7 @@
 SIGTERM is accepted, its body read and answered 200 within the grace period; a request sent after SIGTERM gets 503,
 and on a keep-alive connection the server closes the connection after it (``Connection: close``), so the client's
 next request goes to a new connection rather than one the server is about to close under it. Clients connecting
-while the drain ends are answered or refused, never reset (``batcher.app.close_the_door``).
+while the drain ends are answered or refused, never reset (``batcher.door.close_the_door``).
 """
 
 from __future__ import annotations
