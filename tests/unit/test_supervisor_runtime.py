@@ -61,3 +61,33 @@ def test_folders_that_are_not_provably_ours_are_left_alone_without_blocking(tmp_
     assert remove_stale_runtime_dirs(str(tmp_path)) == []
     assert all(os.path.isdir(p) for p in [*kept, victim])
     assert remove_stale_runtime_dirs(str(tmp_path / "no-such-folder")) == []
+
+
+def test_accept_failures_for_want_of_files_are_one_warning_per_interval(caplog):
+    """batcher.supervisor.AcceptErrors: asyncio's "socket.accept() out of system resource" (EMFILE) becomes one
+    WARNING per AcceptErrors.every_s with the count of those held back, on an injected clock; any other error goes
+    to the loop's default handler as before."""
+    import asyncio
+    import errno
+    import logging
+
+    from batcher.supervisor import AcceptErrors
+
+    now = [100.0]
+    handler = AcceptErrors(clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    emfile = {"message": "socket.accept() out of system resource",
+              "exception": OSError(errno.EMFILE, "Too many open files")}
+    try:
+        with caplog.at_level(logging.WARNING):
+            for t in (100.0, 101.0, 105.0, 109.9, 110.0, 110.5):
+                now[0] = t
+                handler(loop, emfile)
+            handler(loop, {"message": "something else broke", "exception": ValueError("x")})
+    finally:
+        loop.close()
+    warnings = [r for r in caplog.records if r.name == "batcher" and "cannot accept connections" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING, logging.WARNING]
+    assert "(0 more" in warnings[0].getMessage() and "(3 more" in warnings[1].getMessage()
+    others = [r for r in caplog.records if "something else broke" in r.getMessage()]
+    assert len(others) == 1 and others[0].levelno == logging.ERROR  # the default handler, unchanged
