@@ -95,7 +95,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return resp
 
 
-def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown) -> None:
+def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown, bodies: BodyBudget) -> None:
     """SIGTERM: readiness turns false at once and new requests get 503 + Retry-After, while accepted requests
     finish (at most ``grace_s``); then SIGINT starts aiohttp's graceful exit, which releases the models.
 
@@ -105,6 +105,9 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown) 
 
     async def drain_then_exit() -> None:
         await dataplane.drain(grace_s)
+        cut = bodies.cut()  # bodies still arriving at the end of the grace: 503, not a close with no answer
+        if cut:
+            log.info("SIGTERM: %d request body(ies) still arriving after the grace; answered 503", cut)
         try:
             await close_the_door()
         except Exception:  # never keeps the process from exiting
@@ -150,7 +153,7 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
 
     async def dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
         await dataplane.start()
-        _drain_on_sigterm(dataplane, config.server.shutdown_grace_s, shutdown)
+        _drain_on_sigterm(dataplane, config.server.shutdown_grace_s, shutdown, bodies)
         yield
         if remote is None:
             loaded = sum(1 for s in dataplane.repository.all() if s.loaded is not None)

@@ -154,6 +154,25 @@ class BodyBudget:
         #: bytes reserved now, over every request of the process
         self.used = 0
         self._gauge = gauge
+        #: the handler tasks reading a body now (:func:`read_body`'s waiting path), and those :meth:`cut`
+        self.reading: set[asyncio.Task] = set()
+        self._cut: set[asyncio.Task] = set()
+
+    def cut(self) -> int:
+        """The end of SIGTERM's grace (:func:`batcher.app._drain_on_sigterm`): every body still being read stops,
+        and its request is answered 503 + Retry-After (:func:`read_body`) instead of being cancelled with no answer
+        when the server exits. Returns how many were cut."""
+        for task in self.reading:
+            self._cut.add(task)
+            task.cancel()
+        return len(self.reading)
+
+    def was_cut(self, task: asyncio.Task | None) -> bool:
+        """Whether ``task``'s cancellation is :meth:`cut`'s (then forgotten)."""
+        if task in self._cut:
+            self._cut.discard(task)
+            return True
+        return False
 
     def _take(self, held: int, n: int) -> None:
         if held + n > self.capacity:
@@ -245,10 +264,20 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             held.grow(declared)  # before anything is read: a body that does not fit is refused unread
         if whole:
             return await request.read()  # all of it has arrived already: no timer, no task
+        budget, task = request.app[BUDGET], asyncio.current_task()
+        budget.reading.add(task)
         try:
             return await asyncio.wait_for(_read(request, codings, max_bytes, held, declared is None), timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
+        except asyncio.CancelledError:
+            if not budget.was_cut(task):
+                raise
+            task.uncancel()  # type: ignore[union-attr]
+            raise Unavailable("the server is shutting down: the request body did not arrive within "
+                              "server.shutdown_grace_s", retry_after_s=1) from None
+        finally:
+            budget.reading.discard(task)
     except ConnectionError:  # the client went away mid-body: its handler is being cancelled (module docstring)
         raise asyncio.CancelledError("the client disconnected while its request body was being read") from None
 

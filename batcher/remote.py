@@ -134,12 +134,12 @@ class EngineLink:
     def _on_lost(self) -> None:
         self.connected = False
         lost = EngineLost(f"the {self.name} stopped; it is being restarted", retry_after_s=1)
-        for sent in self._sent.values():
-            if not sent.future.done():
-                sent.future.set_exception(lost)
-        for fut in self._calls.values():
+        for fut in [sent.future for sent in self._sent.values()] + list(self._calls.values()):
             if not fut.done():
                 fut.set_exception(lost)
+                # a waiter still there gets it when it awaits; one gone (a handler cancelled while the process is
+                # stopping) is no "Future exception was never retrieved" ERROR line
+                fut.exception()
         self._sent.clear()
         self._calls.clear()
         self._outstanding = [0] * len(self.keys)

@@ -177,3 +177,29 @@ async def test_connections_made_while_the_drain_ends_are_answered_or_refused_nev
     assert outcomes["refused"] == STORM_CLIENTS
     log = server.log()
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("frontends", [0, 1], ids=["single", "multi"])
+async def test_a_body_still_arriving_when_the_grace_ends_is_answered_503(start_server, tmp_path, frontends):
+    """The new-user report: a client still uploading its body when SIGTERM's grace ran out got no answer at all
+    (its handler was cancelled when aiohttp closed, a second grace later), and multi-process mode logged an
+    ERROR for a future nobody retrieved. Now the body read stops at the end of the grace and the request gets 503
+    + Retry-After + Connection: close; the server exits 0 without an error line."""
+    (tmp_path / "models").mkdir()
+    config = {"server": {"frontends": frontends, "shutdown_grace_s": 1, "read_timeout_s": 600},
+              "models": [{"name": "f2str", "path": string_models(tmp_path / "models")["f2str"], "max_batch_size": 4}]}
+    server = start_server(config)
+    body = F2STR_BODY + b" " * 100_000
+    raw = _f2str_request(body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(raw[:len(raw) // 2])  # and never the rest
+    await writer.drain()
+    await until(lambda: server.metric("batcher_inflight_body_bytes") == len(body), timeout_s=60)
+    server.proc.send_signal(signal.SIGTERM)
+    answer = await asyncio.wait_for(reader.read(), 120)
+    writer.close()
+    assert _outcome(answer) == "503", answer[:300]
+    assert b"shutting down" in answer
+    assert await asyncio.to_thread(server.proc.wait, 60) == 0
+    log = server.log()
+    assert " ERROR " not in log and "Traceback" not in log and "never retrieved" not in log, log[-3000:]
