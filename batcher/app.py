@@ -90,8 +90,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         resp = error_response(500, f"internal error: {exc!r}")
     finally:
         release_body(request)
-    if request.app[SHUTDOWN].draining or resp.status == 408:
-        resp.force_close()  # 408: the body was not read to its end: the connection carries no other request
+    if request.app[SHUTDOWN].draining or resp.status in (408, 413):
+        resp.force_close()  # 408, 413: the body was not read to its end: the connection carries no other request
     return resp
 
 
