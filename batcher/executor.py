@@ -146,10 +146,7 @@ def run_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequen
 def device_times(ctx: ExecutionContext, outputs: dict | Exception) -> DeviceTimes | None:
     """The device times of the batch ``ctx`` just returned ``outputs`` for (None when it failed or the context
     does not time its device); on the thread that ran it."""
-    if isinstance(outputs, Exception):
-        return None
-    timer = getattr(ctx, "device_times", None)  # test doubles may not derive from ExecutionContext
-    return timer() if timer is not None else None
+    return None if isinstance(outputs, Exception) else ctx.device_times()
 
 
 def finish_batch(ctx: ExecutionContext, staged: Staged, model: str, allowed: Sequence[int] | None,

@@ -103,7 +103,6 @@ class CudaGraphContext(CudaContext):
         self._generation = [0] * self.pipeline_depth  # launches per slot: a handle names its launch
         # device timing (:meth:`device_times`): a ring of pipeline_depth + 1 (start, end) timing event pairs, one
         # pair per launch in turn, so the previous launch's end is still unrecorded-over when a batch is collected
-        self._timing = self.device_timing
         self._timers: list[tuple[Event, Event]] = []
         self._launches = 0  # successful launches: the ring index of the next is launches % len(ring)
         self._timer_of = [0] * self.pipeline_depth  # per output slot: the launch number its batch had
@@ -133,7 +132,7 @@ class CudaGraphContext(CudaContext):
                         spare[name] = PinnedBuffer(nbytes)
             for _ in range(self.pipeline_depth):
                 self._events.append(Event(timing=False))  # one by one: _free destroys those made
-            for _ in range(self.pipeline_depth + 1 if self._timing else 0):
+            for _ in range(self.pipeline_depth + 1 if self.device_timing else 0):
                 start = Event()
                 try:
                     self._timers.append((start, Event()))
