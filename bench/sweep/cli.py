@@ -218,11 +218,12 @@ def main(args: argparse.Namespace) -> int:
     interrupted = False
 
     def stop(signum, frame):  # SIGTERM as Ctrl-C: the finished steps are kept, h2load and client processes end
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # before and after the steps; during them the event loop takes it (run_sweep)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        run_sweep(cfg, body, headers, rows, on_step=lambda done: report.save_sweep(args.out, done, info))
+        run_sweep(cfg, body, headers, rows, on_step=lambda done: report.save_sweep(args.out, done, info),
+                  sigterm_interrupts=True)
     except RuntimeError as e:  # h2load failed to run
         return fail(str(e))
     except KeyboardInterrupt:

@@ -208,13 +208,24 @@ def _ping_wait(seconds: float) -> float:
 
 @contextmanager
 def client_processes(processes: int) -> Iterator[ProcessPoolExecutor | None]:
-    """A pool of ``processes`` started client processes (spawned, aiohttp imported), or None for one: this one."""
+    """A pool of ``processes`` started client processes (spawned, aiohttp imported), or None for one: this one.
+    Left by an exception (an interrupted sweep), its processes are terminated at once rather than awaited."""
     if processes <= 1:
         yield None
         return
-    with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
+    try:
         list(pool.map(_ping_wait, [0.2] * processes))  # start every worker before the first timed step
         yield pool
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM): a running job would go on to its step's end, and the pool's shutdown would
+        # wait for it; its samples are lost anyway, so the workers are ended now. They are this process's only
+        # multiprocessing children (the resource tracker is not a Process).
+        for child in mp.active_children():
+            child.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 async def run_jobs(jobs: Sequence[Job], pool: ProcessPoolExecutor | None) -> list[Samples]:

@@ -5,9 +5,10 @@ window driven by :mod:`bench.sweep.drivers` (in this process or shared by client
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from bench.sweep.arrivals import arrival_times
@@ -151,11 +152,46 @@ async def _sweep_with_progress(cfg: SweepConfig, body: bytes, headers: dict[str,
     return rows
 
 
+async def _interrupted_by_sigterm(coro: Awaitable[list[dict]]) -> list[dict]:
+    """Await ``coro``; a SIGTERM meanwhile cancels it (its ``finally`` blocks run: h2load is killed and awaited, its
+    folder removed) and then raises KeyboardInterrupt, as Ctrl-C does under :func:`asyncio.run`.
+
+    The signal is taken by the event loop (``loop.add_signal_handler``: a wakeup fd, then a plain callback), not by
+    a Python handler that raises wherever the main thread happens to be: raised inside a finalizer (``__del__``,
+    a weakref callback), such a KeyboardInterrupt is printed as "Exception ignored" and lost, and the sweep ran
+    on to its step's end. The Python handler in place before is put back afterwards.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    previous = signal.getsignal(signal.SIGTERM)
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if terminated:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list[dict] | None = None,
-              on_step: Callable[[list[dict]], None] | None = None) -> list[dict]:
+              on_step: Callable[[list[dict]], None] | None = None, sigterm_interrupts: bool = False) -> list[dict]:
     """Run every step (rates in open loop, concurrencies in closed loop); one row per step
     (:data:`bench.sweep.report.COLUMNS`), appended to ``rows`` as each step ends, after which ``on_step(rows)``
-    is called (so an interrupted sweep keeps, and can have saved, the finished steps)."""
+    is called (so an interrupted sweep keeps, and can have saved, the finished steps).
+
+    With ``sigterm_interrupts`` (from the main thread only), a SIGTERM during the steps stops them as Ctrl-C does:
+    h2load and the client processes end at once and KeyboardInterrupt is raised (:func:`_interrupted_by_sigterm`).
+    """
     rows = [] if rows is None else rows
     if cfg.generator not in ("python", "h2load"):
         raise ValueError(f"generator must be python or h2load, got {cfg.generator!r}")
@@ -165,4 +201,5 @@ def run_sweep(cfg: SweepConfig, body: bytes, headers: dict[str, str], rows: list
         if refused := h2load_refuses(cfg.arrivals, cfg.processes):
             raise ValueError(refused)
     with client_processes(cfg.processes if cfg.generator == "python" else 1) as pool:
-        return asyncio.run(_sweep_with_progress(cfg, body, headers, pool, rows, on_step))
+        steps = _sweep_with_progress(cfg, body, headers, pool, rows, on_step)
+        return asyncio.run(_interrupted_by_sigterm(steps) if sigterm_interrupts else steps)

@@ -414,7 +414,8 @@ def test_cli_writes_csv_and_json_after_every_step_and_exits_0_without_matplotlib
     out = tmp_path / "out"
     seen_on_disk: list[int] = []
 
-    def fake_run_sweep(cfg, body, headers, rows, on_step):
+    def fake_run_sweep(cfg, body, headers, rows, on_step, sigterm_interrupts):
+        assert sigterm_interrupts
         assert cfg.rates == [3.0, 6.0] and cfg.model == "m"
         for k, rate in enumerate(cfg.rates):
             rows.append(_row(k, rate))
@@ -494,7 +495,7 @@ def test_the_sweep_cli_names_an_unreachable_server_a_missing_model_and_a_sweep_w
     def no_metadata(url, timeout=10.0):
         raise urllib.error.HTTPError(url, 501, "Not Implemented", None, None)
 
-    def all_refused(cfg, body, headers, rows, on_step):
+    def all_refused(cfg, body, headers, rows, on_step, sigterm_interrupts):
         rows.append({**_row(0, 3.0), "ok": 0, "errors": 3, "errors_by_status": "transport:3"})
         on_step(rows)
         return rows
@@ -533,3 +534,43 @@ def test_gil_held_share_per_process_from_a_py_spy_gil_profile():
     assert held == {"engine-gpu0": 0.5, "frontend-0": 0.2}
     plan = next(r for r in rows if r["function"] == "plan_batch (batcher/batching.py)")
     assert (plan["role"], plan["samples"], plan["share"]) == ("engine-gpu0", 300, 0.75)
+
+
+def test_a_sigterm_sent_from_inside_a_finalizer_still_stops_the_steps():
+    """SIGTERM during the steps cancels them (their ``finally`` runs) and raises KeyboardInterrupt, even when the
+    signal lands while a ``__del__`` runs: a Python handler raising there is "Exception ignored" and lost (the CI
+    failure of test_sigterm_stops_an_h2load_sweep_with_its_h2load); the event loop's handler is not. The handler
+    in place before is put back."""
+    import gc
+    import os
+    import signal
+
+    from bench.sweep.run import _interrupted_by_sigterm
+
+    cleaned: list[str] = []
+
+    class SignalsInItsFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # Python code after the signal: where a raising handler would run
+
+    async def steps() -> list[dict]:
+        try:
+            SignalsInItsFinalizer()
+            gc.collect()
+            await asyncio.Event().wait()  # a step that would never end by itself
+        finally:
+            cleaned.append("finally")
+        return []
+
+    def before(signum, frame):
+        raise AssertionError("the Python handler ran during the steps")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(_interrupted_by_sigterm(steps()))
+        assert cleaned == ["finally"]
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
