@@ -23,10 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
-from .bodies import check_declared, read_body
+from .bodies import read_body
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
 from .json_tensors import json_type
-from .errors import InvalidInput, ModelNotFound, PayloadTooLarge, Unauthorized
+from .errors import InvalidInput, ModelNotFound, Unauthorized
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -172,17 +172,14 @@ def warm_codec(slot: ModelSlot) -> None:
 
 async def expect_handler(request: web.Request) -> web.Response | None:
     """``Expect: 100-continue`` as aiohttp answers it, except that a declared ``Content-Length`` over
-    ``server.max_body_bytes`` gets its 413 at once instead of ``100 Continue`` (RFC 9110, 10.1.1: the server may
-    answer with the final status instead, and the client then does not send the body; the connection closes after
-    it); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the error
+    ``server.max_body_bytes`` gets no ``100 Continue``: the route's handler runs at once and its body read refuses it
+    unread (:func:`batcher.bodies.read_body`: 413, counted as any too-large request is, the connection closed after
+    it), so the client never sends the body (RFC 9110, 10.1.1: the server may answer with the final status
+    instead); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the error
     middleware could see it)."""
-    try:
-        check_declared(request.content_length, request.app[CONFIG].server.max_body_bytes)
-    except PayloadTooLarge as exc:
-        resp = web.Response(body=orjson.dumps({"error": exc.message}), status=exc.status,
-                            content_type="application/json")
-        resp.force_close()
-        return resp
+    declared, limit = request.content_length, request.app[CONFIG].server.max_body_bytes
+    if declared is not None and declared > limit:
+        return None
     try:
         await _default_expect_handler(request)
     except web.HTTPExpectationFailed as exc:

@@ -259,8 +259,13 @@ async def test_expect_100_continue_over_the_body_limit_gets_413_at_once_and_with
         writer.close()
         return line, rest
 
+    def too_large() -> float:
+        return server.metric("batcher_request_failure_total", reason="invalid", **F2STR)
+
+    before = too_large()
     line, rest = await first_answer(LIMIT + 1)  # the client is told before it sends a byte of the body
     assert line.startswith(b"HTTP/1.1 413") and b"connection: close" in rest.lower()
     assert rest.endswith(b'{"error":"request body of 1000001 bytes is over server.max_body_bytes = 1000000"}')
+    assert too_large() - before == 1  # counted as a 413 without Expect is
     line, _ = await first_answer(LIMIT)
     assert line.startswith(b"HTTP/1.1 100")
