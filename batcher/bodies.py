@@ -32,8 +32,9 @@ declared ``Content-Length`` before anything is read (a chunked body: each chunk 
 decoded bytes too, as they come out of the decoder) and keeps the reservation until its handler returns: binary
 tensors view the body (``np.frombuffer``), so the body lives as long as the request. A reservation that does not
 fit now is a **503** with ``Retry-After`` (counted as reason ``rejected``); one larger than the whole budget can
-never fit: **413**. Not counted: the final ``b"".join`` of a body's parts (a second copy of one complete body, for
-an instant), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body with no coding
+never fit: **413**. Not counted: the final ``b"".join`` of a coded or chunked body's parts (a second copy of one
+complete body, for an instant; a plain body with a declared length is read straight into one buffer of that length,
+:func:`_read_into`), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body with no coding
 that declares at most :data:`UNCOUNTED_BYTES` (no more than that buffer holds; not counting the small requests keeps
 the budget off their path), so what is held beyond the budget is at most that much per connection.
 """
@@ -237,7 +238,7 @@ def check_declared(declared: int | None, max_bytes: int) -> None:
         raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes | bytearray:
     """The request's body, decoded, at most ``max_bytes`` long, counted against the process's :class:`BodyBudget`
     (the request's :data:`RESERVATION`, given back by :func:`release` when its handler returns).
 
@@ -256,18 +257,20 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         whole = plain and request.content.is_eof()
         small = plain and declared <= UNCOUNTED_BYTES  # not counted (module docstring)
         if whole and small:
-            return await request.read()  # most small requests: arrived, no reservation, no timer, no task
+            return _buffered(request)  # most small requests: arrived, no reservation, no timer, no task
         held = request.get(RESERVATION)
         if held is None:
             held = request[RESERVATION] = Reservation(request.app[BUDGET])
         if declared is not None and not small:
             held.grow(declared)  # before anything is read: a body that does not fit is refused unread
         if whole:
-            return await request.read()  # all of it has arrived already: no timer, no task
+            return _buffered(request)  # all of it has arrived already: no timer, no task
         budget, task = request.app[BUDGET], asyncio.current_task()
         budget.reading.add(task)
         try:
-            return await asyncio.wait_for(_read(request, codings, max_bytes, held, declared is None), timeout_s)
+            reading = _read_into(request, declared) if plain else _read(request, codings, max_bytes, held,
+                                                                        declared is None)
+            return await asyncio.wait_for(reading, timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
         except asyncio.CancelledError:
@@ -280,6 +283,49 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             budget.reading.discard(task)
     except ConnectionError:  # the client went away mid-body: its handler is being cancelled (module docstring)
         raise asyncio.CancelledError("the client disconnected while its request body was being read") from None
+
+
+def _buffered(request: web.Request) -> bytes:
+    """A body that has arrived whole (its stream at EOF), taken from the stream's buffer: the one chunk itself, or
+    one join of its chunks (``request.read()`` copies it twice, into a bytearray and then into bytes, and awaits
+    once per chunk)."""
+    return request.content.read_nowait(-1)
+
+
+async def _read_into(request: web.Request, declared: int) -> bytearray:
+    """A body with no coding and a declared length, read chunk by chunk straight into one buffer of that length:
+    one copy of each byte (:func:`_read`'s ``iter_chunked`` slices and joins the buffered chunks, then joins the
+    parts: two or three). Each chunk is the stream's buffered one as the parser fed it (``readchunk`` of a body
+    that is not chunked splits nothing). The HTTP parser ends the body at ``declared`` bytes; one that ends
+    sooner (its client gone) raises from the stream, as in :func:`_read`.
+
+    Raises:
+        InvalidInput (400): broken framing found while the body streams in. ConnectionResetError and the like:
+        its client went away (the buffer is dropped before the exception leaves this frame).
+    """
+    body = bytearray(declared)
+    view = memoryview(body)
+    size = 0
+    try:
+        while True:
+            chunk, _ = await request.content.readchunk()
+            if not chunk:
+                break
+            n = len(chunk)
+            view[size:size + n] = chunk
+            size += n
+    except HttpProcessingError as exc:
+        view.release()
+        body = chunk = None  # noqa: F841 - nothing of a refused body stays referenced from this frame
+        raise InvalidInput(f"request body is not well-formed HTTP: {exc.message}") from None
+    except BaseException:
+        view.release()
+        body = chunk = None  # noqa: F841 - as in _read
+        raise
+    view.release()
+    if size != declared:  # not reached while the parser ends the body at Content-Length; never a short body
+        raise InvalidInput(f"request body of {size} bytes, {declared} declared")
+    return body
 
 
 async def _read(request: web.Request, codings: list[str], max_bytes: int, held: Reservation, chunked: bool) -> bytes:
