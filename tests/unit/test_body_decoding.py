@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import os
 import zlib
+from unittest import mock
 
 import pytest
+from aiohttp.streams import StreamReader
 from prometheus_client import CollectorRegistry, Gauge
 
-from batcher.bodies import BodyBudget, Reservation, _Zlib
+from batcher.bodies import BodyBudget, Reservation, _read_into, _Zlib
 from batcher.errors import PayloadTooLarge, Unavailable
 
 PARTS = [os.urandom(3000), b"", b"x" * 5000, os.urandom(10)]
@@ -69,3 +72,37 @@ def test_the_budget_refuses_with_503_while_full_and_413_beyond_its_size_and_rele
     assert budget.used == 30 and a.held == 0 and registry.get_sample_value("g") == 30
     b.release()
     assert budget.used == 0 and registry.get_sample_value("g") == 0
+
+
+class _Request:
+    """What :func:`batcher.bodies._read_into` reads: ``content``, aiohttp's real StreamReader."""
+
+    def __init__(self, content) -> None:
+        self.content = content
+
+
+def _stream() -> StreamReader:
+    protocol = mock.Mock(_reading_paused=False)  # only pause_reading/resume_reading are called on it
+    return StreamReader(protocol, 2 ** 16, loop=asyncio.get_running_loop())
+
+
+async def test_a_plain_body_is_read_into_one_buffer_of_its_declared_length_whatever_its_chunks():
+    body = os.urandom(300_000)
+    stream = _stream()
+    reading = asyncio.ensure_future(_read_into(_Request(stream), len(body)))
+    for i in range(0, len(body), 70_000):  # chunks arriving one by one, the reader waiting between them
+        stream.feed_data(body[i:i + 70_000])
+        await asyncio.sleep(0)
+    stream.feed_eof()
+    got = await reading
+    assert type(got) is bytearray and got == body
+
+
+async def test_a_plain_body_whose_client_goes_away_raises_what_the_stream_was_given():
+    stream = _stream()
+    reading = asyncio.ensure_future(_read_into(_Request(stream), 1000))
+    stream.feed_data(b"x" * 400)
+    await asyncio.sleep(0)
+    stream.set_exception(ConnectionResetError("gone"))
+    with pytest.raises(ConnectionResetError):
+        await reading
