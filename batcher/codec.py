@@ -253,6 +253,7 @@ def decode_request(
             if ref is not None and binary:
                 raise InvalidInput(f"{where}: shared_memory_region and binary_data true cannot be combined")
             outputs.append(RequestedOutput(o["name"], binary, ref))
+        outputs = outputs or None  # "outputs": [] asks for none in particular: all, as Triton answers it
 
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):

@@ -269,6 +269,9 @@ def load_config(path: str | Path | None = None, model_repository: str | None = N
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read config {source}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {source} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x}"
+                              ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -32,6 +32,11 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
     assert "models[1].max_batch_size" in r.stderr and "(got -3)" in r.stderr
     r = _cli("serve", "--config", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "cannot read config" in r.stderr
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes(b"\xff\xfe bad")
+    for args in (["check-config", str(latin)], ["serve", "--config", str(latin)]):
+        r = _cli(*args)
+        assert r.returncode == 2 and "is not UTF-8 text: byte 0 is 0xff" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_serve_fails_clearly_on_an_unknown_zoo_model(tmp_path):

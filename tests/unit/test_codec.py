@@ -170,6 +170,15 @@ def test_encode_json_and_binary_outputs():
     assert got[0] == 1.5 and np.isnan(got[1])
 
 
+def test_an_empty_outputs_list_asks_for_every_output_as_triton_answers_it():
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}], "outputs": []})
+    req = decode_request(body, None)
+    assert req.outputs is None
+    outputs = {"o": np.array([[1.5]], np.float32), "p": np.array([[2]], np.int64)}
+    head = orjson.loads(encode_response(InferResponse("m", "1", outputs, req))[0])
+    assert [o["name"] for o in head["outputs"]] == ["o", "p"]
+
+
 def test_encode_json_non_finite_is_null_and_valid_json():
     req = InferRequest(inputs={})
     body, n = encode_response(InferResponse("m", "1", {"o": np.array([np.inf, -np.inf, np.nan, 2], np.float32)}, req))
