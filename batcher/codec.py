@@ -29,6 +29,7 @@ import base64
 import binascii
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -137,19 +138,27 @@ def encode_bytes_elements(arr: np.ndarray) -> bytes:
 MAX_TENSOR_ELEMENTS = 1 << 28
 
 
+#: bytes of memory one BYTES element may cost while its request is served, beyond its own bytes: a Python bytes
+#: object and its array slot, and the copies made for the engine and the answer. Measured: 30 million empty
+#: elements in one request raised the server's peak memory by 7.2 GB (240 bytes each).
+BYTES_ELEMENT_COST = 256
+
+
 def decode_request(
-    body: bytes, header_length: str | None = None, max_elements: int = MAX_TENSOR_ELEMENTS
+    body: bytes, header_length: str | None = None, max_elements: int = MAX_TENSOR_ELEMENTS,
+    reserve: Callable[[int], None] | None = None,
 ) -> InferRequest:
     """Decode a KServe v2 inference request body.
 
     Args:
         body: the whole HTTP body.
         header_length: value of the ``Inference-Header-Content-Length`` header, or None for pure JSON.
+        max_elements: the most elements one tensor may hold.
+        reserve: called with ``count * BYTES_ELEMENT_COST`` before the ``count`` elements of a BYTES input are
+            made (the transport counts them against its body budget; what it raises is raised).
 
     Returns:
         the request with each input as a numpy array of its declared shape and datatype.
-
-        max_elements: the most elements one tensor may hold.
 
     Raises:
         InvalidInput: malformed JSON or header, unknown datatype, bad shape, more than ``max_elements`` elements,
@@ -217,6 +226,8 @@ def decode_request(
             raw = binary[offset : offset + size]
             offset += size
             if datatype == "BYTES":
+                if reserve is not None:
+                    reserve(count * BYTES_ELEMENT_COST)
                 flat = decode_bytes_elements(raw, count, where)
             else:
                 want = count * dtype.itemsize
@@ -228,6 +239,8 @@ def decode_request(
                 if datatype == "BOOL" and flat.size and np.frombuffer(raw, np.uint8).max() > 1:
                     raise InvalidInput(f"{where}: BOOL bytes must be 0 or 1")
         elif "data" in t:
+            if datatype == "BYTES" and reserve is not None:
+                reserve(count * BYTES_ELEMENT_COST)
             flat = json_tensor(t["data"], datatype, count, f"{where}.data")
         else:
             raise InvalidInput(f"{where}: needs data or parameters.binary_data_size")

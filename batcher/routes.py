@@ -11,6 +11,7 @@ import hmac
 import importlib.resources
 import inspect
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
-from .bodies import read_body
+from .bodies import JSON_VALUE_COST, UNCOUNTED_BYTES, decoded_reserver, read_body, reserve_decoded
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
 from .json_tensors import json_type
 from .errors import InvalidInput, ModelNotFound, Unauthorized
@@ -75,12 +76,18 @@ async def infer(request: web.Request) -> web.Response:
     async def read() -> InferRequest:
         body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
         header_length = request.headers.get(HEADER_LENGTH)
-        # binary tensors decode without copying (np.frombuffer); only a large JSON part is worth a thread
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
-        if json_bytes > OFFLOAD_BYTES:
-            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements)
+        if json_bytes > UNCOUNTED_BYTES:  # what parsing it makes counts against the body budget, before it is made
+            reserve_decoded(request, JSON_VALUE_COST * (body.count(b",", 0, json_bytes) + 1))
+        # binary tensors decode without copying (np.frombuffer); a large JSON part, or many BYTES elements (a Python
+        # object each), are worth a thread, which the event loop keeps serving beside
+        binary_bytes = len(body) - json_bytes
+        if json_bytes > OFFLOAD_BYTES or (binary_bytes > OFFLOAD_BYTES and b'"BYTES"' in body[:json_bytes]):
+            decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements,
+                                                 decoded_reserver(request, loop))
         else:
-            decoded = decode_request(body, header_length, server.max_tensor_elements)
+            decoded = decode_request(body, header_length, server.max_tensor_elements,
+                                     partial(reserve_decoded, request))
         if hash_header is not None:
             decoded.routing_key = request.headers.get(hash_header)
         elif hash_parameter is not None and decoded.parameters.get(hash_parameter) is not None:

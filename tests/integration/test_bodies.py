@@ -269,3 +269,45 @@ async def test_expect_100_continue_over_the_body_limit_gets_413_at_once_and_with
     assert too_large() - before == 1  # counted as a 413 without Expect is
     line, _ = await first_answer(LIMIT)
     assert line.startswith(b"HTTP/1.1 100")
+
+
+@pytest.mark.parametrize("frontends", [0, 1], ids=["single", "multi"])
+def test_what_decoding_makes_counts_against_the_budget_before_it_is_made(start_server, tmp_path, frontends):
+    """The user's report: one body under both limits made the server's memory grow by gigabytes (a JSON body of 30
+    million numbers: 1.9 GB; 30 million BYTES elements: 7.2 GB), since the budget counted the body's bytes only.
+    The values of a JSON part (one per comma, 64 bytes each) and the elements of a BYTES input (256 bytes each)
+    now count too, before they are made, whether decoding runs on the event loop or (a large binary part) in a
+    thread: a body whose decoded form can never fit is a 413, one that fits is served. Nothing stays held after."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    paths = string_models(folder)
+    server = start_server({"server": {"max_body_bytes": LIMIT, "max_inflight_body_bytes": BUDGET,
+                                      "frontends": frontends},
+                           "models": [{"name": "f2str", "path": paths["f2str"], "max_batch_size": 4},
+                                      {"name": "str_id1", "path": paths["str_id1"], "max_batch_size": 0}]})
+    # 100,000 JSON numbers (0.5 MB of body): 6.4 MB once parsed, over the 2.5 MB budget; 400 after parsing before
+    values = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [0.5] * 100_000}]})
+    status, data, _ = _post(server, values)
+    assert status == 413, data
+    need = len(values) + 64 * (values.count(b",") + 1)
+    assert orjson.loads(data)["error"] == (f"request body of at least {need} bytes (its decoded form counted too) is "
+                                           f"over server.max_inflight_body_bytes = {BUDGET}")
+
+    def strings(n: int, length: int) -> tuple[bytes, dict[str, str]]:  # n BYTES elements of length bytes, binary
+        element = len(b"s" * length).to_bytes(4, "little") + b"s" * length
+        head = orjson.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [n],
+                                         "parameters": {"binary_data_size": len(element) * n}}]})
+        return head + element * n, {"Inference-Header-Content-Length": str(len(head))}
+
+    for n, length, answer in [(10_000, 0, 413),  # 40 KB of body (not counted), 2.56 MB of elements: never fits
+                              (100_000, 0, 413),  # 400 KB of binary part: decoded in a thread, counted from there
+                              (1_000, 0, 200),  # 256,000 bytes of elements: fits
+                              (2_000, 200, 200)]:  # 408 KB, in a thread: 512,000 bytes of elements beside it fit
+        body, headers = strings(n, length)
+        status, data, _ = _post(server, body, headers, path="/v2/models/str_id1/infer")
+        assert status == answer, (n, length, data)
+        if answer == 413:
+            assert "(its decoded form counted too) is over server.max_inflight_body_bytes" in orjson.loads(data)["error"]
+        else:
+            assert orjson.loads(data)["outputs"][0]["data"] == ["s" * length] * n
+    assert server.metric(GAUGE) == 0
