@@ -35,10 +35,14 @@ class InputConfig(_Strict):
     ``dims`` excludes the batch dimension (max_batch_size 0: the full shape); ``-1`` leaves a dimension dynamic.
     ``warmup_dims`` gives the sizes used for the warm-up run in place of dynamic dims (default: 32 for each ``-1``).
     ``warmup_data`` gives sample values for the warm-up run, repeated row-major to fill the input (JSON literals
-    as a request's ``data`` takes them: strings for BYTES; default: zeros, and ``"0"`` for BYTES)."""
+    as a request's ``data`` takes them: strings for BYTES; default: zeros, and ``"0"`` for BYTES).
+    ``dims_multiple_of`` (no Triton equivalent) gives, per dim of ``dims``, a number that dim of every request must
+    be a multiple of (1: any): a model that only runs at such sizes (PP-OCR's detector: height and width multiples
+    of 32, which ``-1`` cannot say) answers other shapes with 400 instead of failing in the engine with 500."""
 
     name: str
     dims: list[int] | None = None
+    dims_multiple_of: list[int] | None = None
     warmup_dims: list[int] | None = None
     warmup_data: list[StrictBool | StrictInt | StrictFloat | StrictStr] | None = Field(None, min_length=1)
 
@@ -47,6 +51,13 @@ class InputConfig(_Strict):
     def _dims(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and any(d == 0 or d < -1 for d in v):
             raise ValueError(f"dims must be positive or -1, got {v}")
+        return v
+
+    @field_validator("dims_multiple_of")
+    @classmethod
+    def _dims_multiple_of(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d < 1 for d in v):
+            raise ValueError(f"dims_multiple_of must be positive, got {v}")
         return v
 
     @field_validator("warmup_dims")

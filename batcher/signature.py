@@ -7,7 +7,7 @@ bad request is answered with 400 on its own and never fails the other requests o
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -39,6 +39,9 @@ class ModelSignature:
     allowed_batch_sizes: tuple[int, ...] | None = None
     #: the backend carries BYTES as text (``Engine.bytes_as_text``): BYTES inputs must be UTF-8.
     bytes_as_text: bool = False
+    #: input name -> what each dim of its full shape must be a multiple of (the config's ``dims_multiple_of``;
+    #: 1 for the batch dim); inputs without one are absent
+    multiples: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def batched(self) -> bool:
@@ -102,6 +105,7 @@ class ModelSignature:
             if inp.name not in names:
                 raise ConfigError(f"{where}.inputs[{j}].name: model has no input {inp.name!r} (inputs: {names})")
         inputs = []
+        multiples: dict[str, tuple[int, ...]] = {}
         for spec in engine.inputs:
             dims = spec.shape[skip:]
             d = declared.get(spec.name)
@@ -119,10 +123,21 @@ class ModelSignature:
                             f"{where}.inputs[{j}].dims[{k}]: {mine} contradicts the model's fixed size {theirs}"
                         )
                 dims = tuple(d.dims)
+            if d is not None and d.dims_multiple_of is not None:
+                j = cfg.inputs.index(d)
+                if len(d.dims_multiple_of) != len(dims):
+                    raise ConfigError(f"{where}.inputs[{j}].dims_multiple_of: {d.dims_multiple_of} has "
+                                      f"{len(d.dims_multiple_of)} dims, the input has {len(dims)} ({_fmt(dims)})")
+                for k, (size, m) in enumerate(zip(dims, d.dims_multiple_of)):
+                    if size != -1 and size % m:
+                        raise ConfigError(f"{where}.inputs[{j}].dims_multiple_of[{k}]: the input's fixed size "
+                                          f"{size} is not a multiple of {m}")
+                if any(m > 1 for m in d.dims_multiple_of):
+                    multiples[spec.name] = (1, *d.dims_multiple_of) if batched else tuple(d.dims_multiple_of)
             inputs.append(TensorSpec(spec.name, spec.datatype, (-1, *dims) if batched else tuple(dims)))
         outputs = tuple(TensorSpec(o.name, o.datatype, (-1, *o.shape[1:]) if batched else tuple(o.shape))
                         for o in engine.outputs)
-        return cls(tuple(inputs), outputs, max_batch, allowed, engine.bytes_as_text)
+        return cls(tuple(inputs), outputs, max_batch, allowed, engine.bytes_as_text, multiples)
 
     def check(self, model: str, inputs: dict[str, np.ndarray]) -> int:
         """Validate a request's inputs; return its number of rows (its batch dim; 1 without a batch dim).
@@ -193,6 +208,11 @@ class ModelSignature:
                 raise InvalidInput(
                     f"input '{spec.name}': shape {_fmt(shape)} does not match the model's {_fmt(spec.shape)}"
                 )
+            multiple = self.multiples.get(spec.name)
+            if multiple is not None and any(got % m for got, m in zip(shape, multiple)):
+                raise InvalidInput(
+                    f"input '{spec.name}': shape {_fmt(shape)}: the model's dims {_fmt(spec.shape[skip:])} must be "
+                    f"multiples of {_fmt(multiple[skip:])} (its config's dims_multiple_of)")
             if self.bytes_as_text and spec.datatype == "BYTES":
                 _check_utf8(spec.name, arr)
 

@@ -37,3 +37,24 @@ def test_ocr_example_command_against_the_server(default_server):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "remote==in-process: 3/3" in r.stdout
+
+
+@pytest.mark.parametrize("height,width,status", [(720, 1280, 400), (736, 1280, 200)])
+def test_the_detector_answers_a_size_it_cannot_run_with_400(default_server, height, width, status):
+    """The user's report: ppocr_det of the default config failed with 500 on a 720p image (ONNX Runtime: its
+    heights and widths must be multiples of 32); its dims_multiple_of now makes that a 400, counted invalid."""
+    import numpy as np
+    import orjson
+
+    from bench.sweep.requests import build_request
+    from helpers import http_post
+
+    invalid = default_server.metric("batcher_request_failure_total", model="ppocr_det", version="1", reason="invalid")
+    body, headers = build_request([("x", "FP32", np.zeros((1, 3, height, width), np.float32))], binary=True)
+    got, data, _ = http_post(default_server, body, headers, path="/v2/models/ppocr_det/infer")
+    assert got == status, data[:300]
+    if status == 400:
+        assert orjson.loads(data)["error"] == ("input 'x': shape [1, 3, 720, 1280]: the model's dims [3, -1, -1] must "
+                                               "be multiples of [1, 32, 32] (its config's dims_multiple_of)")
+    after = default_server.metric("batcher_request_failure_total", model="ppocr_det", version="1", reason="invalid")
+    assert after - invalid == (status == 400)

@@ -184,6 +184,24 @@ def test_declared_dims_narrow_and_must_agree_with_the_model():
     assert sig.check("m", {"x": np.zeros((5, 3, 48, 8), np.float32)}) == 5
 
 
+def test_dims_multiple_of_refuses_other_sizes_with_400_and_is_checked_against_the_dims():
+    """PP-OCR's detector runs only at heights and widths that are multiples of 32: dims_multiple_of says so, and a
+    request of another size is a 400 naming the rule, not an engine failure (500)."""
+    cfg = _model(inputs=[{"name": "x", "dims": [3, -1, -1], "dims_multiple_of": [1, 32, 32]}])
+    sig = ModelSignature.build(ProfileEngine(None), cfg, "m")
+    assert sig.multiples == {"x": (1, 1, 32, 32)}
+    assert sig.check("m", {"x": np.zeros((2, 3, 736, 1280), np.float32)}) == 2
+    with pytest.raises(InvalidInput, match=r"input 'x': shape \[1, 3, 720, 1280\]: the model's dims \[3, -1, -1\] "
+                                           r"must be multiples of \[1, 32, 32\] \(its config's dims_multiple_of\)"):
+        sig.check("m", {"x": np.zeros((1, 3, 720, 1280), np.float32)})
+    with pytest.raises(ConfigError, match=r"inputs\[0\].dims_multiple_of: \[32, 32\] has 2 dims, the input has 3"):
+        ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims_multiple_of": [32, 32]}]), "m")
+    with pytest.raises(ConfigError, match=r"dims_multiple_of\[0\]: the input's fixed size 3 is not a multiple of 2"):
+        ModelSignature.build(ProfileEngine(None), _model(inputs=[{"name": "x", "dims_multiple_of": [2, 1, 1]}]), "m")
+    with pytest.raises(ConfigError, match="dims_multiple_of must be positive"):
+        _model(inputs=[{"name": "x", "dims_multiple_of": [1, 0, 1]}])
+
+
 def test_onnxruntime_models_reject_tensorrt_options():
     with pytest.raises(ConfigError, match="build and runtime apply to backend tensorrt only"):
         parse_config({"models": [{"name": "m", "path": "p", "runtime": "lean"}]})
