@@ -167,11 +167,10 @@ def decode_request(
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise InvalidInput(f"{HEADER_LENGTH}: expected an integer, got {header_length!r}") from None
-        if n < 0 or n > len(body):
+        if not (header_length.isascii() and header_length.isdigit()):  # int() takes " 68", "+68", "٦٨" too
+            raise InvalidInput(f"{HEADER_LENGTH}: expected a decimal byte count, got {header_length!r}")
+        n = int(header_length)
+        if n > len(body):
             raise InvalidInput(f"{HEADER_LENGTH}: {n} is outside the body's {len(body)} bytes")
         view = memoryview(body)
         json_part, binary = view[:n], view[n:]

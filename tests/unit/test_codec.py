@@ -378,3 +378,10 @@ def test_an_integer_parameter_beyond_64_bits_is_named_as_one():
         decode_request(body)
     with pytest.raises(InvalidInput, match=r"timeout: expected a non-negative integer, got 1.5$"):
         decode_request(body.replace(b"1000000000000000000000000000000", b"1.5"))
+
+
+@pytest.mark.parametrize("length", [" 2", "+2", "2 ", "\u0662", "-0", "0x2"])
+def test_the_header_length_is_ascii_digits_only(length):
+    """int() would take " 2", "+2" and Arabic-Indic digits as 2: a header not of ASCII digits is a 400."""
+    with pytest.raises(InvalidInput, match="Inference-Header-Content-Length: expected a decimal byte count"):
+        decode_request(b"{}", length)
