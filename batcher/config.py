@@ -250,6 +250,37 @@ def default_config_text() -> str:
     return importlib.resources.files("configs").joinpath("default.yaml").read_text(encoding="utf-8")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last one
+    silently: a config whose second ``max_batch_size`` overrode the first ran with it unnoticed). YAML 1.2 itself
+    requires keys to be unique."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: its keys may be overridden here
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        f"found the key {key!r} twice", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """``text`` as YAML (safe types only; a key given twice in one mapping is an error).
+
+    Raises:
+        yaml.YAMLError: not valid YAML, or a duplicate key.
+    """
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | Path | None = None, model_repository: str | None = None) -> Config:
     """Load and validate a YAML config; ``None`` loads the embedded ``configs/default.yaml`` (no config at all when
     ``model_repository`` is given). The models of ``model_repository`` or ``server.model_repository`` are added.
@@ -273,7 +304,7 @@ def load_config(path: str | Path | None = None, model_repository: str | None = N
             raise ConfigError(f"config {source} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x}"
                               ) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
     from .model_repository import add_repository

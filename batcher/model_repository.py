@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from .config import load_yaml
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,12 @@ def _model_settings(model_dir: Path) -> dict[str, Any]:
                         model_dir, MODEL_CONFIG)
         return {}
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{str(path)!r} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x}"
+                          ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{str(path)!r} is not valid YAML: {exc}") from None
     if data is None:

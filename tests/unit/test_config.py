@@ -300,3 +300,15 @@ def test_a_config_error_shows_the_value_once_and_never_a_whole_section():
     with pytest.raises(ConfigError) as exc:
         parse_config({"models": [{"name": "a", "path": "p", "max_batch_size": -3}]})
     assert "models[0].max_batch_size" in str(exc.value) and "(got -3)" in str(exc.value)
+
+
+def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
+    """PyYAML keeps the last of two equal keys; a config whose second max_batch_size overrode the first ran with it
+    unnoticed. Nested mappings and YAML merge keys (``<<``) are unaffected."""
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  - {name: m, path: zoo:tiny_cnn, max_batch_size: 4, max_batch_size: 8}\n")
+    with pytest.raises(ConfigError, match=r"(?s)is not valid YAML: .*found the key 'max_batch_size' twice"):
+        load_config(path)
+    path.write_text("base: &b {max_batch_size: 4}\nmodels:\n  - {<<: *b, name: m, path: zoo:tiny_cnn}\n")
+    with pytest.raises(ConfigError, match="base"):  # merged fine; the unknown top-level key is what is refused
+        load_config(path)

@@ -95,6 +95,8 @@ def test_tensorrt_builds_from_onnx_and_relative_paths_in_model_config(tmp_path):
     ({"m/config.yaml": "name: other\npath: x.onnx\n", "m/1/model.onnx": "x"},
      r"name, path come\(s\) from the directory layout"),
     ({"m/config.yaml": "max_batch_size: [\n", "m/1/model.onnx": "x"}, r"config\.yaml' is not valid YAML"),
+    ({"m/config.yaml": "max_batch_size: 4\nmax_batch_size: 8\n", "m/1/model.onnx": "x"},
+     r"(?s)config\.yaml' is not valid YAML: .*found the key 'max_batch_size' twice"),
     ({"m/config.yaml": "- 1\n", "m/1/model.onnx": "x"}, r"expected a mapping of model settings"),
     ({"1/model.onnx": "x", "2/model.onnx": "x"}, r"it is one model's directory; pass the directory above it"),
     ({"README.md": "x"}, r"holds no model directory"),
