@@ -36,6 +36,7 @@ from engines.base import DeviceTimes, EngineError, EngineInputError, EngineUnava
 from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
 from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, InvalidInput, Unavailable
+from .lograte import EveryFewSeconds
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,15 @@ def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
         return Unavailable(f"model '{model}': {exc}", retry_after_s=1)
     if isinstance(exc, EngineInputError):  # the request's data (a batch of one, or run alone)
         return InvalidInput(f"model '{model}' cannot run on this request's input: {exc}")
-    return ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")
+    failed = ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")
+    suppressed = _engine_failures.setdefault(model, EveryFewSeconds()).due()
+    if suppressed is not None:  # a 500: the operator hears of it, once per 10 s per model (a client may repeat it)
+        log.warning("%s (%d more engine failures of this model since the last warning)", failed.message, suppressed)
+    return failed
+
+
+#: per model, when its next engine-failure WARNING is due (:func:`_failure`)
+_engine_failures: dict[str, EveryFewSeconds] = {}
 
 
 def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None,

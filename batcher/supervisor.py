@@ -45,6 +45,7 @@ from typing import Any
 from .cli import bind_socket
 from .config import Config
 from .errors import ConfigError
+from .lograte import EveryFewSeconds
 from .mps import MpsDaemon
 from .topology import engines
 
@@ -91,9 +92,7 @@ class AcceptErrors:
     every_s = 10.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._last: float | None = None
-        self._suppressed = 0
+        self._due = EveryFewSeconds(self.every_s, clock)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -101,13 +100,10 @@ class AcceptErrors:
                 and "accept" in str(context.get("message", ""))):
             loop.default_exception_handler(context)
             return
-        now = self._clock()
-        if self._last is not None and now - self._last < self.every_s:
-            self._suppressed += 1
-            return
-        log.warning("cannot accept connections: %s (%d more such failures since the last warning); the "
-                    "connections open now reach the process's file limit", exc.strerror or exc, self._suppressed)
-        self._last, self._suppressed = now, 0
+        suppressed = self._due.due()
+        if suppressed is not None:
+            log.warning("cannot accept connections: %s (%d more such failures since the last warning); the "
+                        "connections open now reach the process's file limit", exc.strerror or exc, suppressed)
 
 
 def set_device_timing(on: bool) -> None:

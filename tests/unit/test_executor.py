@@ -56,6 +56,31 @@ def test_an_engine_failure_that_is_not_the_input_is_a_500_for_the_request_that_f
     assert isinstance(outcomes[0], ExecutionFailed) and outcomes[0].status == 500
     assert ctx.batches == [-1]  # a batch of one is not run twice
 
+
+def test_an_engine_failure_is_a_warning_once_per_interval_per_model_with_the_count_left_out(caplog, monkeypatch):
+    """A 500 from the engine was answered without any log line (a new user's report): the operator now sees a
+    WARNING, at most one per 10 s per model (a client can repeat the request), telling how many were left out."""
+    from batcher import executor
+    from batcher.lograte import EveryFewSeconds
+
+    now = [0.0]
+    monkeypatch.setattr(executor, "_engine_failures",
+                        {m: EveryFewSeconds(10.0, clock=lambda: now[0]) for m in ("m", "n")})
+    ctx = PickyContext(EngineError)
+    with caplog.at_level("WARNING", logger="batcher.executor"):
+        for t in (0.0, 1.0, 9.9, 10.0):
+            now[0] = t
+            execute_batch(ctx, [_pending(-1.0)], "m", None, now=lambda: 0.0)
+        execute_batch(ctx, [_pending(-1.0)], "n", None, now=lambda: 0.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'm' failed on a batch of 1 rows: cannot parse -1 (0 more engine failures of this model since the "
+        "last warning)",
+        "model 'm' failed on a batch of 1 rows: cannot parse -1 (2 more engine failures of this model since the "
+        "last warning)",
+        "model 'n' failed on a batch of 1 rows: cannot parse -1 (0 more engine failures of this model since the "
+        "last warning)"]
+    assert {r.levelname for r in caplog.records} == {"WARNING"}
+
 def batch(ctx, threads: list[int], burn_s: float = 0.0) -> BatchResult:
     """A batch function: records the thread it ran on; ``burn_s`` of CPU time."""
     threads.append(threading.get_ident())
