@@ -436,7 +436,7 @@ def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready
     devices = DeviceOrder(engine.device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
     if devices.pinned:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
-    child_setup(f"engine {engine.name}", log_level)
+    child_setup(f"engine {engine.name}", log_level, config.server.keep_heap)
     set_switch_interval(config.server.gil_switch_interval_us)
     set_device_timing(config.server.device_timing)
     sys.exit(run(run_engine(config, engine, path, ready, devices), config.server.event_loop))

@@ -370,7 +370,7 @@ def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: st
     from .app import create_app
     from .supervisor import child_setup, freeze_on_startup, new_event_loop
 
-    child_setup(f"frontend {index}", log_level)
+    child_setup(f"frontend {index}", log_level, config.server.keep_heap)
     app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
     app.on_startup.append(freeze_on_startup)
     web.run_app(

@@ -159,11 +159,31 @@ def run(coro: Any, kind: str) -> Any:
         loop.close()
 
 
-def child_setup(role: str, log_level: str) -> None:
+#: glibc's ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` in the server's child processes (:func:`keep_heap`)
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def keep_heap() -> None:
+    """glibc's allocator in a front end or engine process: blocks up to :data:`MMAP_THRESHOLD_BYTES` (its largest
+    allowed value) come from the heap instead of a fresh ``mmap`` each, and the heap's free top is given back to the
+    kernel only past :data:`TRIM_THRESHOLD_BYTES`. A front end allocates each large request body and frees it a
+    moment later; with glibc's defaults every such body was new pages (a page fault for each 4 KiB, zeroed by the
+    kernel) and a trim after it. The process keeps up to that much freed memory for the next bodies instead. No-op
+    where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def child_setup(role: str, log_level: str, keep: bool = True) -> None:
     """First thing in a child process: logging, dying with the supervisor (``PR_SET_PDEATHSIG``), its name as
     ``ps``, ``top`` and ``/proc/PID/comm`` show it (``PR_SET_NAME``: ``role`` with ``-`` for spaces, at most 15
-    bytes, e.g. ``engine-gpu0``, ``frontend-3``), and metrics that read the pid once
-    (:func:`batcher.metrics.read_pid_once`)."""
+    bytes, e.g. ``engine-gpu0``, ``frontend-3``), metrics that read the pid once
+    (:func:`batcher.metrics.read_pid_once`), and with ``keep`` (``server.keep_heap``) :func:`keep_heap`."""
     from .metrics import read_pid_once
 
     read_pid_once()
@@ -172,6 +192,8 @@ def child_setup(role: str, log_level: str) -> None:
     # reaches the supervisor alone, which stops the children in order (front ends drain, then engines), instead of
     # an engine stopping at once under its front ends' accepted requests, or a front end getting SIGINT twice
     os.setpgrp()
+    if keep:
+        keep_heap()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
