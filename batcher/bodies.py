@@ -46,6 +46,7 @@ import concurrent.futures
 import threading
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -225,12 +226,25 @@ class Reservation:
 BUDGET = web.AppKey("body_budget", BodyBudget)
 #: the request's :class:`Reservation`, made by :func:`read_body` when it counts the body
 RESERVATION = web.RequestKey("body_reservation", Reservation)
+#: the buffer ``read_body``'s ``into`` gave the request's body (:func:`_read_into`), released by :func:`release`
+BODY_BUFFER = web.RequestKey("body_buffer", object)
 
 
-#: bytes of memory one value of a request's JSON may cost once parsed (a Python object and its list slot, then its
-#: share of the arrays made of them), counted per comma of the JSON part (about one per value). Measured: a 114 MiB
-#: JSON body of 30 million ``0.5`` values raised the server's peak memory by 1.9 GB (63 bytes a value).
-JSON_VALUE_COST = 64
+#: bytes of memory a request's JSON may cost once parsed, beyond a copy of its own bytes (its strings): per value
+#: (one per comma), per object (``{``) and per array (``[``). Measured with ``tracemalloc`` around ``orjson.loads``
+#: on Python 3.11: a number 32 bytes (then about as much again for the array made of them: 30 million ``0.5``
+#: values raised a server's peak memory by 1.9 GB, 63 bytes a value), ``{"a":1}`` 192, ``[[]]`` 128 (64 an array),
+#: ``{"a":{"a":{}}}`` 440 (a new user's 100 MiB body of them took 3.6 GB, which one per comma missed).
+JSON_VALUE_COST, JSON_OBJECT_COST, JSON_ARRAY_COST = 64, 192, 64
+
+
+def json_cost(json_part: bytes) -> int:
+    """What parsing ``json_part`` may cost in memory, in bytes (:data:`JSON_VALUE_COST`): an upper bound for the
+    documents measured, whatever the nesting (a ``,``, ``{`` or ``[`` inside a string counts too), plus its bytes
+    other than spaces and newlines once more (the copies its strings become; padding becomes nothing)."""
+    text = len(json_part) - json_part.count(b" ") - json_part.count(b"\n")
+    return (text + JSON_VALUE_COST * (json_part.count(b",") + 1) + JSON_OBJECT_COST * json_part.count(b"{")
+            + JSON_ARRAY_COST * json_part.count(b"["))
 
 
 def reserve_decoded(request: web.Request, n: int) -> None:
@@ -281,10 +295,14 @@ def decoded_reserver(request: web.Request, loop: asyncio.AbstractEventLoop,
 
 
 def release(request: web.Request) -> None:
-    """Give back the request's :data:`RESERVATION`, if it has one (idempotent): call when its handler is done."""
+    """Give back the request's :data:`RESERVATION` and :data:`BODY_BUFFER`, if it has them (idempotent): call when
+    its handler is done."""
     held = request.get(RESERVATION)
     if held is not None:
         held.release()
+    given = request.get(BODY_BUFFER)
+    if given is not None:
+        given.release()
 
 
 def check_declared(declared: int | None, max_bytes: int) -> None:
@@ -293,9 +311,11 @@ def check_declared(declared: int | None, max_bytes: int) -> None:
         raise PayloadTooLarge(f"request body of {declared} bytes is over server.max_body_bytes = {max_bytes}")
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes | bytearray:
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float,
+                    into: Callable[[int], Any] | None = None) -> bytes | bytearray | memoryview:
     """The request's body, decoded, at most ``max_bytes`` long, counted against the process's :class:`BodyBudget`
-    (the request's :data:`RESERVATION`, given back by :func:`release` when its handler returns).
+    (the request's :data:`RESERVATION`, given back by :func:`release` when its handler returns). ``into``: where a
+    plain body with a declared length that is still arriving may be read (:func:`_read_into`).
 
     Raises:
         UnsupportedMediaType (415): unknown content coding. PayloadTooLarge (413): the body, or its decoded form,
@@ -323,8 +343,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         budget, task = request.app[BUDGET], asyncio.current_task()
         budget.reading.add(task)
         try:
-            reading = _read_into(request, declared) if plain else _read(request, codings, max_bytes, held,
-                                                                        declared is None)
+            reading = _read_into(request, declared, into) if plain else _read(request, codings, max_bytes, held,
+                                                                              declared is None)
             return await asyncio.wait_for(reading, timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"request body not received within server.read_timeout_s = {timeout_s} s") from None
@@ -347,19 +367,29 @@ def _buffered(request: web.Request) -> bytes:
     return request.content.read_nowait(-1)
 
 
-async def _read_into(request: web.Request, declared: int) -> bytearray:
+async def _read_into(request: web.Request, declared: int, into: Callable[[int], Any] | None = None
+                     ) -> bytearray | memoryview:
     """A body with no coding and a declared length, read chunk by chunk straight into one buffer of that length:
     one copy of each byte (:func:`_read`'s ``iter_chunked`` slices and joins the buffered chunks, then joins the
     parts: two or three). Each chunk is the stream's buffered one as the parser fed it (``readchunk`` of a body
     that is not chunked splits nothing). The HTTP parser ends the body at ``declared`` bytes; one that ends
     sooner (its client gone) raises from the stream, as in :func:`_read`.
 
+    ``into(declared)`` may give the buffer instead (an object with ``view``, a writable memoryview of ``declared``
+    bytes, and ``release()``; :meth:`batcher.remote.EngineLink.body_buffer`: shared memory an engine process reads),
+    which is then returned as that view and released when the handler ends (:func:`release`); None: a bytearray.
+
     Raises:
         InvalidInput (400): broken framing found while the body streams in. ConnectionResetError and the like:
         its client went away (the buffer is dropped before the exception leaves this frame).
     """
-    body = bytearray(declared)
-    view = memoryview(body)
+    given = into(declared) if into is not None else None
+    if given is not None:
+        request[BODY_BUFFER] = given
+        body, view = None, given.view
+    else:
+        body = bytearray(declared)
+        view = memoryview(body)
     size = 0
     try:
         while True:
@@ -370,16 +400,20 @@ async def _read_into(request: web.Request, declared: int) -> bytearray:
             view[size:size + n] = chunk
             size += n
     except HttpProcessingError as exc:
-        view.release()
-        body = chunk = None  # noqa: F841 - nothing of a refused body stays referenced from this frame
+        if given is None:
+            view.release()
+        body = view = chunk = None  # noqa: F841 - nothing of a refused body stays referenced from this frame
         raise InvalidInput(f"request body is not well-formed HTTP: {exc.message}") from None
     except BaseException:
-        view.release()
-        body = chunk = None  # noqa: F841 - as in _read
+        if given is None:
+            view.release()
+        body = view = chunk = None  # noqa: F841 - as in _read
         raise
-    view.release()
     if size != declared:  # not reached while the parser ends the body at Content-Length; never a short body
         raise InvalidInput(f"request body of {size} bytes, {declared} declared")
+    if given is not None:
+        return view
+    view.release()
     return body
 
 

@@ -21,9 +21,9 @@ from .errors import BatcherError, RemoteError, Unavailable
 from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
-from .remote import EngineLink, EngineLost
+from .remote import BodyBuffer, EngineLink, EngineLost
 from .repository import ModelSlots
-from .strategy import Strategy, Target
+from .strategy import LEAST_QUEUE, Strategy, Target
 from .topology import Engine, engine_slots, engines, model_engines, weight
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,20 @@ class RemoteDataPlane:
         await asyncio.gather(*(link.close() for link in self.links))
 
     # ---------------------------------------------------------------- inference
+    def body_buffer(self, model: str, version: str | None, nbytes: int, header_bytes: int) -> BodyBuffer | None:
+        """Where to read a binary request body for ``model`` so that its tensors reach the engine uncopied: a block
+        of the shared area of the one engine process that can serve it (:meth:`EngineLink.body_buffer`); None when
+        there is no such one process (several could: the route is chosen after decoding), the model is unknown (its
+        404 comes later), or the area has no room."""
+        try:
+            cfg = self.catalog.slot(model, version).cfg
+        except BatcherError:
+            return None
+        if version is None and self.strategy.name != LEAST_QUEUE and len(self._served_cfgs(cfg.name)) > 1:
+            return None  # weighted or hash may send it to another version
+        links = self._links_of[(cfg.name, str(cfg.version))]
+        return links[0].body_buffer(nbytes, header_bytes) if len(links) == 1 else None
+
     def _route(self, cfg: ModelConfig, named: bool, request: InferRequest | None
                ) -> tuple[EngineLink, ModelConfig] | None:
         """The engine process and model version for one request (:mod:`batcher.strategy`); None: every engine

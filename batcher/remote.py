@@ -31,7 +31,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import RemoteError, Unavailable
-from .ipc import (ABORT, ACK, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
+from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
                   recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
 from .topology import Engine
@@ -59,6 +59,28 @@ class _Sent:
         self.blocks = blocks
 
 
+class BodyBuffer:
+    """A request body read straight into a block of an engine link's shared area (:meth:`EngineLink.body_buffer`):
+    its binary tensors then reach the engine process uncopied (:func:`batcher.ipc.pack_tensors` sends their
+    offsets). The block is the request's until :meth:`EngineLink.submit` hands it to the request's blocks (freed as
+    theirs are, when the engine process no longer reads them); one never handed over is freed by :meth:`release`
+    when the request's handler ends (:func:`batcher.bodies.release`)."""
+
+    __slots__ = ("link", "allocator", "offset", "end", "view", "handed")
+
+    def __init__(self, link: EngineLink, allocator: Allocator, offset: int, end: int, view: memoryview) -> None:
+        self.link, self.allocator, self.offset, self.end, self.view = link, allocator, offset, end, view
+        self.handed = False
+
+    def release(self) -> None:
+        """Free the block unless it was handed over, or its area is gone (the engine process restarted); idempotent."""
+        if not self.handed:
+            self.handed = True
+            if self.link._inputs is self.allocator:
+                self.allocator.free(self.offset)
+                self.link._bodies.pop(self.offset, None)
+
+
 class EngineLink:
     """One front end's connection to one engine process (reconnected after the engine process restarts)."""
 
@@ -78,6 +100,7 @@ class EngineLink:
         self._inputs: Allocator | None = None
         self._counts: np.ndarray | None = None
         self._sent: dict[int, _Sent] = {}
+        self._bodies: dict[int, BodyBuffer] = {}  # bodies read into the area, not handed to a request yet
         self._outstanding = [0] * len(keys)  # this front end's requests without an outcome, per model version
         self._calls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
@@ -146,6 +169,7 @@ class EngineLink:
         if self._area is not None:
             self._area.close()  # unmapped once the last view of it goes
         self._area = self._inputs = self._counts = None
+        self._bodies.clear()  # their release() sees the allocator gone and frees nothing
         if not self._closing:
             log.warning("lost the %s (pid %s); answering 503 for its models until it is back", self.name, self.pid)
             self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
@@ -206,12 +230,35 @@ class EngineLink:
             for off in sent.blocks:
                 self._inputs.free(off)
 
+    def body_buffer(self, nbytes: int, header_bytes: int) -> BodyBuffer | None:
+        """A block of the shared area to read a request body of ``nbytes`` into, placed so that its binary part
+        (after ``header_bytes`` of JSON) starts aligned (:data:`batcher.ipc.ALIGN`); None when the engine process
+        is not connected or the area has no room (the body is then read into memory of its own)."""
+        if self._inputs is None or self._area is None:
+            return None
+        pad = -header_bytes % ALIGN
+        off = self._inputs.alloc(pad + nbytes)
+        if off is None:
+            return None
+        body = BodyBuffer(self, self._inputs, off, off + pad + nbytes,
+                          memoryview(self._area.buf)[off + pad:off + pad + nbytes])
+        self._bodies[off] = body
+        return body
+
     def submit(self, rid: int, cfg: ModelConfig, received: float, request: InferRequest | None,
                failure: Any) -> asyncio.Future:
         """Send one request (its tensors through the shared area); the future gets its RESULT/ERROR message."""
         entries, blocks, fields = [], [], None
         if request is not None:
             entries, blocks = pack_tensors(request.inputs, self._area, self._inputs)
+            if self._bodies:  # a body read into the area: its block becomes the request's (freed as its blocks)
+                for e in entries:
+                    if len(e) == 4 and type(e[3]) is int:
+                        body = next((b for b in self._bodies.values() if b.offset <= e[3] < b.end), None)
+                        if body is not None:
+                            del self._bodies[body.offset]
+                            body.handed = True
+                            blocks.append(body.offset)
             fields = request_fields(request)
         fut = asyncio.get_running_loop().create_future()
         slot = self.index[(cfg.name, str(cfg.version))]

@@ -24,10 +24,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.datatypes import NUMPY_DTYPES
 
 from . import __version__
-from .bodies import JSON_VALUE_COST, UNCOUNTED_BYTES, decoded_reserver, read_body, reserve_decoded
+from .bodies import UNCOUNTED_BYTES, decoded_reserver, json_cost, read_body, reserve_decoded
 from .codec import HEADER_LENGTH, decode_request, decode_shm_register, encode_response, json_object
 from .json_tensors import json_type
 from .errors import InvalidInput, ModelNotFound, Unauthorized
+from .ipc import INLINE_BYTES
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
@@ -67,22 +68,35 @@ async def _answer(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+def _into(body_buffer: Callable[..., Any], model: str, version: str | None, json_part: int, declared: int) -> Any:
+    return body_buffer(model, version, declared, json_part)
+
+
 @_model_route("POST", "/infer")
 async def infer(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
+    dataplane = request.app[DATAPLANE]
     server = request.app[CONFIG].server
     hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
 
     async def read() -> InferRequest:
-        body = await read_body(request, server.max_body_bytes, server.read_timeout_s)
         header_length = request.headers.get(HEADER_LENGTH)
+        into = None
+        body_buffer = getattr(dataplane, "body_buffer", None)  # a front end: binary tensors into shared memory
+        if body_buffer is not None and header_length is not None and header_length.isdigit():
+            declared, json_part = request.content_length, int(header_length)
+            if declared is not None and declared - json_part >= INLINE_BYTES:
+                model, version = _model(request)
+                into = partial(_into, body_buffer, model, version, json_part)
+        body = await read_body(request, server.max_body_bytes, server.read_timeout_s, into)
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
+        head = body[:json_bytes] if type(body) is not memoryview else bytes(body[:json_bytes])
         if json_bytes > UNCOUNTED_BYTES:  # what parsing it makes counts against the body budget, before it is made
-            reserve_decoded(request, JSON_VALUE_COST * (body.count(b",", 0, json_bytes) + 1))
+            reserve_decoded(request, json_cost(head))
         # binary tensors decode without copying (np.frombuffer); a large JSON part, or many BYTES elements (a Python
         # object each), are worth a thread, which the event loop keeps serving beside
         binary_bytes = len(body) - json_bytes
-        if json_bytes > OFFLOAD_BYTES or (binary_bytes > OFFLOAD_BYTES and b'"BYTES"' in body[:json_bytes]):
+        if json_bytes > OFFLOAD_BYTES or (binary_bytes > OFFLOAD_BYTES and b'"BYTES"' in head):
             decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements,
                                                  decoded_reserver(request, loop))
         else:
@@ -103,7 +117,7 @@ async def infer(request: web.Request) -> web.Response:
             return web.Response(body=out, content_type="application/json")
         return web.Response(body=out, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
 
-    return await request.app[DATAPLANE].infer(*_model(request), loop.time(), read, deliver)
+    return await dataplane.infer(*_model(request), loop.time(), read, deliver)
 
 
 @routes.get("/v2/openapi.json")

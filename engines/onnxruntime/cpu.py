@@ -40,6 +40,16 @@ def tensor_spec(arg: ort.NodeArg) -> TensorSpec:
 _DATA_ERRORS = tuple(getattr(ort.capi.onnxruntime_pybind11_state, n) for n in ("RuntimeException", "InvalidArgument"))
 
 
+def _failure(exc: Exception, feeds: Mapping[str, Any]) -> EngineError:
+    """ONNX Runtime's failure on ``feeds``: the input's fault (:class:`EngineInputError`, a 400) when one of them
+    has a dimension of size 0, which the model's dynamic dims admit and its operators cannot run on (PP-OCR's
+    detector on ``[1, 3, 0, 32]``: "Invalid input shape"); else the engine's (a 500). Its message on one line."""
+    message = " ".join(str(exc).split())
+    if any(getattr(a, "size", 1) == 0 for a in feeds.values()):
+        return EngineInputError(f"onnxruntime cannot run on an input with a dimension of size 0: {message}")
+    return EngineError(f"onnxruntime: {message}")
+
+
 def quiet_run_options() -> ort.RunOptions:
     """Run options that keep ONNX Runtime's own logger quiet on a failed run (the exception says why)."""
     ro = ort.RunOptions()
@@ -105,9 +115,9 @@ class OnnxRuntimeContext(ExecutionContext):
         except _DATA_ERRORS as exc:
             if any(a.dtype == object for a in feeds.values()):  # text the model could not parse
                 raise EngineInputError(f"onnxruntime could not run on this input: {exc}") from exc
-            raise EngineError(f"onnxruntime: {exc}") from exc
+            raise _failure(exc, feeds) from exc
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/RuntimeException types
-            raise EngineError(f"onnxruntime: {exc}") from exc
+            raise _failure(exc, feeds) from exc
         return {name: bytes_outputs(r) for name, r in zip(self._output_names, results)}
 
     def release(self) -> None:

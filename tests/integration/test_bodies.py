@@ -17,6 +17,7 @@ import orjson
 import pytest
 from helpers import http_post as _post, string_models, until
 
+from batcher.bodies import json_cost
 from bench.server import ServerProcess
 
 BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, -2]}]})
@@ -289,9 +290,15 @@ def test_what_decoding_makes_counts_against_the_budget_before_it_is_made(start_s
     values = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [0.5] * 100_000}]})
     status, data, _ = _post(server, values)
     assert status == 413, data
-    need = len(values) + 64 * (values.count(b",") + 1)
+    need = len(values) + json_cost(values)
     assert orjson.loads(data)["error"] == (f"request body of at least {need} bytes (its decoded form counted too) is "
                                            f"over server.max_inflight_body_bytes = {BUDGET}")
+    # nested objects cost far more than their commas (a second user's report: 100 MiB of {"a":{"a":{}}} took
+    # 3.6 GB): 20,000 of them (300 KB) count about 13 MB; one per comma, 1.3 MB, let them be parsed
+    nested = orjson.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [20_000],
+                                       "data": [{"a": {"a": {}}}] * 20_000}]})
+    status, data, _ = _post(server, nested, path="/v2/models/str_id1/infer")
+    assert status == 413 and "(its decoded form counted too)" in orjson.loads(data)["error"], data
 
     def strings(n: int, length: int) -> tuple[bytes, dict[str, str]]:  # n BYTES elements of length bytes, binary
         element = len(b"s" * length).to_bytes(4, "little") + b"s" * length

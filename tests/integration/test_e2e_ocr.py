@@ -58,3 +58,20 @@ def test_the_detector_answers_a_size_it_cannot_run_with_400(default_server, heig
                                                "be multiples of [1, 32, 32] (its config's dims_multiple_of)")
     after = default_server.metric("batcher_request_failure_total", model="ppocr_det", version="1", reason="invalid")
     assert after - invalid == (status == 400)
+
+
+@pytest.mark.parametrize("model,shape", [("ppocr_det", [1, 3, 0, 32]), ("ppocr_rec", [1, 3, 48, 0])])
+def test_a_dimension_of_size_0_is_a_400_not_an_engine_failure(default_server, model, shape):
+    """A fresh user's report: ONNX Runtime refused these ("Invalid input shape") and the server answered 500; an
+    input with a dimension of size 0 is the request's fault: 400, counted invalid."""
+    import orjson
+
+    from helpers import http_post
+
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]})
+    status, data, _ = http_post(default_server, body, {"Content-Type": "application/json"},
+                                path=f"/v2/models/{model}/infer")
+    assert status == 400, data
+    error = orjson.loads(data)["error"]
+    assert error.startswith(f"model '{model}' cannot run on this request's input: onnxruntime cannot run on an "
+                            "input with a dimension of size 0: ") and "\n" not in error

@@ -110,3 +110,22 @@ def test_errors_cross_with_status_reason_and_retry_after():
     err = RemoteError(*error_tuple(InvalidInput("bad shape")))
     assert (err.status, err.reason, err.message, err.retry_after_s) == (400, "invalid", "bad shape", None)
     assert error_tuple(ValueError("boom")) == (500, "other", "internal error: ValueError('boom')", None)
+
+
+def test_an_array_already_in_the_area_is_sent_as_its_offset_and_takes_no_block():
+    """A front end reads a binary body straight into the area (batcher.remote.BodyBuffer): its tensors go to the
+    engine as offsets, uncopied. A strided view inside the area is still copied into a block of its own."""
+    area = Area(1 << 20)
+    alloc = Allocator(0, area.size)
+    inside = np.ndarray((INLINE_BYTES // 16, 4), np.float32, buffer=area.buf, offset=4096 + 148)
+    inside[...] = 1.5
+    entries, blocks = pack_tensors({"x": inside}, area, alloc)
+    assert entries == [("x", "<f4", inside.shape, 4096 + 148)] and blocks == [] and alloc.used_bytes == 0
+    assert area.offset_of(inside) == 4096 + 148 and area.offset_of(np.ones(4, np.float32)) is None
+    back = unpack_tensors(entries, area)["x"]
+    assert np.shares_memory(back, inside) and float(back.sum()) == 1.5 * inside.size
+    strided = np.ndarray((INLINE_BYTES // 4, 2), np.float32, buffer=area.buf, offset=0)[:, 0]
+    entries, blocks = pack_tensors({"s": strided}, area, alloc)
+    assert blocks == [entries[0][3]] and alloc.used_bytes > 0
+    del inside, back, strided
+    area.close()
