@@ -157,7 +157,10 @@ def main(args: argparse.Namespace) -> int:
             return fail(f"{other_flag} is for --mode {other_mode} ({args.mode} loop sweeps {flag})")
         if not text:
             return fail(f"{flag} is required in {args.mode} loop (e.g. {flag} {example})")
-        values = parse_list(text, kind)
+        try:
+            values = parse_list(text, kind)
+        except ValueError as e:
+            return fail(f"{flag} {text!r}: {e}")
         rates, conc = (values, []) if args.mode == "open" else ([], values)
         if args.duration <= 0 or args.warmup < 0 or args.processes < 1 or args.max_inflight < 1:
             return fail("--duration must be > 0, --warmup >= 0, --processes >= 1, --max-inflight >= 1")

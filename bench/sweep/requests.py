@@ -189,10 +189,10 @@ def parse_shape(text: str) -> tuple[str | None, list[int]]:
     name = None
     if ":" in text:
         name, text = text.rsplit(":", 1)
-    dims = [int(d) for d in text.replace("x", ",").split(",") if d.strip()]
-    if not dims or any(d < 0 for d in dims):
-        raise ValueError(f"a shape is non-negative integers like 1,3,224,224 (got {text!r})")
-    return name, dims
+    parts = [d.strip() for d in text.replace("x", ",").split(",")]
+    if not parts or not all(d.isascii() and d.isdigit() for d in parts):  # "1,,3" or "1,3,x,224" is a typo
+        raise ValueError(f"--shape: a shape is non-negative integers like 1,3,224,224 (got {text!r})")
+    return name, [int(d) for d in parts]
 
 
 @dataclass

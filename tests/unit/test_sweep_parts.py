@@ -62,6 +62,16 @@ def test_parse_rates_and_shapes():
         cli.parse_list("0,10")
     assert parse_shape("1x3x48x320") == (None, [1, 3, 48, 320])
     assert parse_shape("x:1,3,48,320") == ("x", [1, 3, 48, 320])
+    for typo in ("1,3,x,224,224", "1,,3", "a,b", "1,-3", ""):  # a stray part was dropped silently before
+        with pytest.raises(ValueError, match="--shape: a shape is non-negative integers"):
+            parse_shape(typo)
+
+
+def test_a_rate_that_is_not_a_number_names_its_option(capsys):
+    from bench.__main__ import main
+
+    assert main(["sweep", "--url", "127.0.0.1:9", "--model", "m", "--rates", "abc", "--out", "/tmp/never"]) == 2
+    assert "--rates 'abc': could not convert string to float: 'abc'" in capsys.readouterr().err
 
 
 def test_comma_list_is_the_bench_scripts_list_option():
