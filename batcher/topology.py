@@ -20,8 +20,9 @@ front end compute the same answers).
 
 from __future__ import annotations
 
+import math
 import os
-
+from pathlib import Path
 from typing import NamedTuple
 
 from .config import Config, ModelConfig
@@ -30,12 +31,39 @@ from .config import Config, ModelConfig
 MAX_DEFAULT_FRONTENDS = 8
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which container limits set), at least 1."""
+def cpu_quota_cores(root: str | os.PathLike = "/sys/fs/cgroup") -> float | None:
+    """The CPU time this process's cgroup may use, in cores (its CFS quota over its period), or None without one.
+
+    What a container's CPU limit sets (Kubernetes ``resources.limits.cpu``, ``docker run --cpus``): the CPU
+    affinity still lists every core of the node. Read as a container sees its own cgroup: cgroup v2's
+    ``cpu.max`` (``"200000 100000"``; ``"max ..."`` is none), else cgroup v1's ``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us`` (quota -1 is none) under ``cpu/`` or ``cpu,cpuacct/``."""
+    root = Path(root)
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for folder in ("cpu", "cpu,cpuacct"):
+        try:
+            quota = int((root / folder / "cpu.cfs_quota_us").read_text())
+            period = int((root / folder / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota <= 0 or period <= 0 else quota / period
+    return None
+
+
+def usable_cores(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> int:
+    """Cores this process may use, at least 1: its CPU affinity (a cpuset, ``taskset``), and no more than its
+    cgroup's CPU quota rounded up (:func:`cpu_quota_cores`: a container's CPU limit, which the affinity does not
+    show: a pod limited to 2 CPUs on a 64-core node would otherwise start 8 front ends)."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota_cores(cgroup_root)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 
 
 def default_frontends(cores: int) -> int:

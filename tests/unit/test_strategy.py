@@ -156,3 +156,28 @@ def test_an_engine_process_sees_its_gpu_first_and_translates_client_device_ids()
     assert restricted.visible == "6,4,7" and [restricted.local(d) for d in (0, 1, 2)] == [1, 0, 2]
     cpu = DeviceOrder(None, [0])
     assert not cpu.pinned and cpu.local(3) == 3
+
+
+def test_a_containers_cpu_quota_bounds_the_cores_front_ends_are_counted_from(tmp_path):
+    """A new user's doubt: a pod limited to 2 CPUs on a big node has the node's every core in its affinity, so the
+    default would start 8 front ends where the README advises one process. The cgroup's CFS quota now bounds the
+    count (v2 cpu.max, v1 cpu.cfs_quota_us), rounded up; no quota, or none readable, leaves the affinity."""
+    import os
+
+    from batcher.topology import cpu_quota_cores, usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota_cores(v2) == 1.5 and usable_cores(v2) == min(affinity, 2)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota_cores(v2) is None and usable_cores(v2) == affinity
+    v1 = tmp_path / "v1" / "cpu,cpuacct"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota_cores(v1.parent) == 1.0 and usable_cores(v1.parent) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota_cores(v1.parent) is None
+    assert cpu_quota_cores(tmp_path / "nowhere") is None and usable_cores(tmp_path / "nowhere") == affinity
