@@ -131,8 +131,8 @@ class ServerConfig(_Strict):
     device_timing: bool = True
     #: multi-process mode: front ends and engine processes keep freed memory for their next large request bodies
     #: (glibc's allocator: no fresh ``mmap`` per body, no trim after it; ``batcher.supervisor.keep_heap``). Measured
-    #: by ``python -m bench.body_cpu`` on 2 cores: front-end CPU per 602 KB binary request 0.84 and 0.81 of what it
-    #: is without, requests/s 1.21 and 1.25 times (bench/results/body_cpu)
+    #: by ``python -m bench.body_cpu`` on 2 cores: front-end CPU per 602 KB binary request 0.69 of what it is
+    #: without (two runs), requests/s 1.20 and 1.08 times (bench/results/body_cpu)
     keep_heap: bool = True
 
     @model_validator(mode="before")

@@ -167,10 +167,11 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 def keep_heap() -> None:
     """glibc's allocator in a front end or engine process: blocks up to :data:`MMAP_THRESHOLD_BYTES` (its largest
     allowed value) come from the heap instead of a fresh ``mmap`` each, and the heap's free top is given back to the
-    kernel only past :data:`TRIM_THRESHOLD_BYTES`. A front end allocates each large request body and frees it a
-    moment later; with glibc's defaults every such body was new pages (a page fault for each 4 KiB, zeroed by the
-    kernel) and a trim after it. The process keeps up to that much freed memory for the next bodies instead. No-op
-    where the C library is not glibc."""
+    kernel only past :data:`TRIM_THRESHOLD_BYTES`. A front end allocates the chunks of each large request body
+    (aiohttp's, about 180 KB each) and frees them a moment later; with glibc's defaults each was new pages (a page
+    fault for each 4 KiB, zeroed by the kernel) and a trim after it. The process keeps up to that much freed memory
+    for the next bodies instead (``python -m bench.body_cpu`` measures it on and off). No-op where the C library is
+    not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
