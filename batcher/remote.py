@@ -233,10 +233,13 @@ class EngineLink:
     def body_buffer(self, nbytes: int, header_bytes: int) -> BodyBuffer | None:
         """A block of the shared area to read a request body of ``nbytes`` into, placed so that its binary part
         (after ``header_bytes`` of JSON) starts aligned (:data:`batcher.ipc.ALIGN`); None when the engine process
-        is not connected or the area has no room (the body is then read into memory of its own)."""
+        is not connected, or the inputs' half of the area would be more than half full with it (the body is then
+        read into memory of its own)."""
         if self._inputs is None or self._area is None:
             return None
         pad = -header_bytes % ALIGN
+        if self._inputs.used_bytes + pad + nbytes > self._area.size // 4:  # half the inputs' half at most: bodies
+            return None  # still arriving (slow clients) must not leave decoded tensors without room
         off = self._inputs.alloc(pad + nbytes)
         if off is None:
             return None

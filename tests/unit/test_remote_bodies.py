@@ -64,3 +64,14 @@ def test_a_body_never_sent_is_freed_when_its_handler_ends_and_one_of_a_lost_engi
     body.release()  # frees nothing in the next area
     assert link._bodies == {} and link._inputs is None
     assert link.body_buffer(100, 10) is None  # not connected: the body is read into memory of its own
+
+
+def test_bodies_take_at_most_half_of_the_inputs_half_of_the_area():
+    """Bodies still arriving (slow clients) hold their blocks; past a quarter of the area they are read into memory
+    of their own, so that decoded tensors of other requests still find room (else they would ride pickled)."""
+    link, _ = _link()  # a 1 MiB area: 512 KiB for inputs, bodies up to 256 KiB in all
+    first = link.body_buffer(200_000, 100)
+    assert first is not None
+    assert link.body_buffer(100_000, 100) is None  # 300 KB > 256 KiB
+    first.release()
+    assert link.body_buffer(100_000, 100) is not None
