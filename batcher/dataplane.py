@@ -89,6 +89,10 @@ def events_doc(repo: ModelRepository) -> dict[str, Any]:
 class DataPlane:
     """Inference, metadata, statistics and repository calls over one :class:`ModelRepository`."""
 
+    #: where a transport may read a request body so that its tensors need no copy: none in one process (a front
+    #: end's data plane has one, :meth:`batcher.frontend.RemoteDataPlane.body_buffer`)
+    body_buffer = None
+
     def __init__(self, config: Config, metrics: Metrics, repository: ModelRepository | None = None,
                  executor: Callable[[ExecutionContext, str], Executor] = ThreadExecutor, *,
                  deliver_checks_deadline: bool = False) -> None:

@@ -82,7 +82,7 @@ async def infer(request: web.Request) -> web.Response:
     async def read() -> InferRequest:
         header_length = request.headers.get(HEADER_LENGTH)
         into = None
-        body_buffer = getattr(dataplane, "body_buffer", None)  # a front end: binary tensors into shared memory
+        body_buffer = dataplane.body_buffer  # a front end's: binary tensors into shared memory
         if body_buffer is not None and header_length is not None and header_length.isdigit():
             declared, json_part = request.content_length, int(header_length)
             if declared is not None and declared - json_part >= INLINE_BYTES:
@@ -90,13 +90,12 @@ async def infer(request: web.Request) -> web.Response:
                 into = partial(_into, body_buffer, model, version, json_part)
         body = await read_body(request, server.max_body_bytes, server.read_timeout_s, into)
         json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
-        head = body[:json_bytes] if type(body) is not memoryview else bytes(body[:json_bytes])
         if json_bytes > UNCOUNTED_BYTES:  # what parsing it makes counts against the body budget, before it is made
-            reserve_decoded(request, json_cost(head))
+            reserve_decoded(request, json_cost(bytes(body[:json_bytes])))
         # binary tensors decode without copying (np.frombuffer); a large JSON part, or many BYTES elements (a Python
         # object each), are worth a thread, which the event loop keeps serving beside
         binary_bytes = len(body) - json_bytes
-        if json_bytes > OFFLOAD_BYTES or (binary_bytes > OFFLOAD_BYTES and b'"BYTES"' in head):
+        if json_bytes > OFFLOAD_BYTES or (binary_bytes > OFFLOAD_BYTES and b'"BYTES"' in bytes(body[:json_bytes])):
             decoded = await loop.run_in_executor(None, decode_request, body, header_length, server.max_tensor_elements,
                                                  decoded_reserver(request, loop))
         else:
