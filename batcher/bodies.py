@@ -34,8 +34,8 @@ tensors view the body (``np.frombuffer``), so the body lives as long as the requ
 fit now is a **503** with ``Retry-After`` (counted as reason ``rejected``); one larger than the whole budget can
 never fit: **413**. Not counted: the final ``b"".join`` of a coded or chunked body's parts (a second copy of one
 complete body, for an instant; a plain body with a declared length is read straight into one buffer of that length,
-:func:`_read_into`), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body with no coding
-that declares at most :data:`UNCOUNTED_BYTES` (no more than that buffer holds; not counting the small requests keeps
+:func:`_read_into`), aiohttp's per-connection read buffer (64 KiB, reading paused at twice that), and a body with no
+coding that declares at most :data:`UNCOUNTED_BYTES` (no more than that buffer holds; not counting the small requests keeps
 the budget off their path), so what is held beyond the budget is at most that much per connection.
 """
 

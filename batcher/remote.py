@@ -31,8 +31,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import RemoteError, Unavailable
-from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel, pack_tensors,
-                  recv_hello, request_fields, unpack_tensors)
+from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
+                  pack_tensors, recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
 from .topology import Engine
 

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         mine = sorted((r for r in rows if r["keep_heap"] is keep), key=lambda r: r["cpu_us_per_req_frontend"])
         medians.append(mine[len(mine) // 2])
     on, off = medians
-    cols = [("keep_heap", "keep_heap", 0), ("req/s", "req_per_s", 1), ("front ends us/req", "cpu_us_per_req_frontend", 1),
-            ("engine us/req", "cpu_us_per_req_engine", 1)]
+    cols = [("keep_heap", "keep_heap", 0), ("req/s", "req_per_s", 1),
+            ("front ends us/req", "cpu_us_per_req_frontend", 1), ("engine us/req", "cpu_us_per_req_engine", 1)]
     print(f"\nmedian round of {args.rounds} ({args.requests} requests of {len(payload)} bytes, {args.clients} "
           f"clients, {args.frontends} front end(s))")
     print(text_table(cols, [{**on, "keep_heap": "true"}, {**off, "keep_heap": "false"}]))

@@ -314,7 +314,8 @@ def test_what_decoding_makes_counts_against_the_budget_before_it_is_made(start_s
         status, data, _ = _post(server, body, headers, path="/v2/models/str_id1/infer")
         assert status == answer, (n, length, data)
         if answer == 413:
-            assert "(its decoded form counted too) is over server.max_inflight_body_bytes" in orjson.loads(data)["error"]
+            error = orjson.loads(data)["error"]
+            assert "(its decoded form counted too) is over server.max_inflight_body_bytes" in error
         else:
             assert orjson.loads(data)["outputs"][0]["data"] == ["s" * length] * n
     assert server.metric(GAUGE) == 0
