@@ -75,3 +75,33 @@ def test_bodies_take_at_most_half_of_the_inputs_half_of_the_area():
     assert link.body_buffer(100_000, 100) is None  # 300 KB > 256 KiB
     first.release()
     assert link.body_buffer(100_000, 100) is not None
+
+
+async def test_a_client_gone_mid_body_leaves_no_block_behind():
+    """The body read into the area (batcher.bodies._read_into with ``into``) stops when its client goes away; the
+    handler's end (batcher.bodies.release, from the error middleware's ``finally``) frees its block."""
+    import asyncio
+    from unittest import mock
+
+    import pytest
+    from aiohttp.streams import StreamReader
+
+    from batcher.bodies import _read_into, release
+
+    class Request(dict):  # what _read_into and release use of an aiohttp request: its stream and its keys
+        def __init__(self, content) -> None:
+            super().__init__()
+            self.content = content
+
+    link, _ = _link()
+    stream = StreamReader(mock.Mock(_reading_paused=False), 2 ** 16, loop=asyncio.get_running_loop())
+    request = Request(stream)
+    reading = asyncio.ensure_future(_read_into(request, 200_000, lambda n: link.body_buffer(n, 100)))
+    stream.feed_data(b"x" * 70_000)
+    await asyncio.sleep(0)
+    assert link._inputs.used_bytes > 0
+    stream.set_exception(ConnectionResetError("gone"))
+    with pytest.raises(ConnectionResetError):
+        await reading
+    release(request)
+    assert link._inputs.used_bytes == 0 and link._bodies == {}
