@@ -40,14 +40,15 @@ def tensor_spec(arg: ort.NodeArg) -> TensorSpec:
 _DATA_ERRORS = tuple(getattr(ort.capi.onnxruntime_pybind11_state, n) for n in ("RuntimeException", "InvalidArgument"))
 
 
-def _failure(exc: Exception, feeds: Mapping[str, Any]) -> EngineError:
+def run_failure(exc: Exception, feeds: Mapping[str, Any], what: str = "onnxruntime") -> EngineError:
     """ONNX Runtime's failure on ``feeds``: the input's fault (:class:`EngineInputError`, a 400) when one of them
     has a dimension of size 0, which the model's dynamic dims admit and its operators cannot run on (PP-OCR's
-    detector on ``[1, 3, 0, 32]``: "Invalid input shape"); else the engine's (a 500). Its message on one line."""
+    detector on ``[1, 3, 0, 32]``: "Invalid input shape"); else the engine's (a 500). Its message on one line,
+    after ``what``."""
     message = " ".join(str(exc).split())
     if any(getattr(a, "size", 1) == 0 for a in feeds.values()):
-        return EngineInputError(f"onnxruntime cannot run on an input with a dimension of size 0: {message}")
-    return EngineError(f"onnxruntime: {message}")
+        return EngineInputError(f"{what} cannot run on an input with a dimension of size 0: {message}")
+    return EngineError(f"{what}: {message}")
 
 
 def quiet_run_options() -> ort.RunOptions:
@@ -115,9 +116,9 @@ class OnnxRuntimeContext(ExecutionContext):
         except _DATA_ERRORS as exc:
             if any(a.dtype == object for a in feeds.values()):  # text the model could not parse
                 raise EngineInputError(f"onnxruntime could not run on this input: {exc}") from exc
-            raise _failure(exc, feeds) from exc
+            raise run_failure(exc, feeds) from exc
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/RuntimeException types
-            raise _failure(exc, feeds) from exc
+            raise run_failure(exc, feeds) from exc
         return {name: bytes_outputs(r) for name, r in zip(self._output_names, results)}
 
     def release(self) -> None:

@@ -28,6 +28,7 @@ from ..base import DeviceContext, EngineError, RowParts, TensorSpec
 from ..cuda import (CAPTURE_GATE, DeviceBuffer, PinnedBuffer, Stream, mem_get_info, memcpy_batch_async, memset_async,
                     page_locked, set_device)
 from ..datatypes import NUMPY_DTYPES
+from .cpu import run_failure
 from .options import cuda_provider, session_options
 
 #: IOBinding's device name for the context's device buffers. Tests that run the CUDA contexts on ONNX Runtime's CPU
@@ -305,7 +306,7 @@ class CudaSessionsContext(CudaContext):
         except EngineError:
             raise
         except Exception as exc:
-            raise EngineError(f"onnxruntime (cuda): {exc}") from exc
+            raise run_failure(exc, inputs, "onnxruntime (cuda)") from exc
         return dict(zip(self._output_names, outs))
 
     def release(self) -> None:

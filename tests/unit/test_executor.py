@@ -131,3 +131,17 @@ class OwnThreadContext(FakeContext):
     @property
     def executor(self) -> ThreadPoolExecutor:
         return self._executor
+
+
+def test_onnxruntime_failing_on_an_input_with_a_dimension_of_size_0_is_the_inputs_fault():
+    """engines.onnxruntime.cpu.run_failure, shared by the CPU and CUDA sessions contexts: a 400 for a dimension of
+    size 0 (what the model's dynamic dims admit and its operators refuse), else a 500; one line either way."""
+    from engines.onnxruntime.cpu import run_failure
+
+    exc = RuntimeError("INVALID_ARGUMENT :\nInvalid input shape: {0,32}")
+    empty = run_failure(exc, {"x": np.ones((1, 3, 0, 32), np.float32)}, "onnxruntime (cuda)")
+    assert isinstance(empty, EngineInputError)
+    assert str(empty) == ("onnxruntime (cuda) cannot run on an input with a dimension of size 0: INVALID_ARGUMENT : "
+                          "Invalid input shape: {0,32}")
+    other = run_failure(exc, {"x": np.ones((1, 3, 32, 32), np.float32)})
+    assert type(other) is EngineError and str(other) == "onnxruntime: INVALID_ARGUMENT : Invalid input shape: {0,32}"

@@ -444,6 +444,26 @@ def test_sessions_mode_and_any_size_without_allowed_sizes(device, tmp_path):
     assert device.gpu.counts() == {"pinned": 0, "streams": 0}
 
 
+def test_a_session_failure_goes_through_run_failure_with_its_message_on_one_line(device, tmp_path, monkeypatch):
+    """The CUDA sessions context maps ONNX Runtime's failures as the CPU one does (engines.onnxruntime.cpu
+    .run_failure: an input with a dimension of size 0 is the request's fault, tested there); any other failure is
+    the engine's, its message on one line."""
+    from engines.base import EngineInputError
+
+    ctx = _engine(tmp_path, sizes=None).create_context()
+
+    def fails(session, binding, run_options=None):
+        raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :\nInvalid input shape")
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", fails)
+    with pytest.raises(EngineError, match="^onnxruntime \\(cuda\\): \\[ONNXRuntimeError\\] : 2 : INVALID_ARGUMENT : "
+                                          "Invalid input shape$") as failed:
+        ctx.execute({"x": np.ones((2, 4), np.float32)})
+    assert not isinstance(failed.value, EngineInputError)
+    device.drain()  # the failed run's uploads, still queued (real CUDA's cudaFree waits for them; the stand-in not)
+    ctx.release()
+
+
 # --------------------------------------------------------------------------- options
 
 
