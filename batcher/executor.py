@@ -36,7 +36,7 @@ from engines.base import DeviceTimes, EngineError, EngineInputError, EngineUnava
 from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
 from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, InvalidInput, Unavailable
-from .lograte import EveryFewSeconds
+from . import lograte
 
 log = logging.getLogger(__name__)
 
@@ -198,14 +198,11 @@ def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
     if isinstance(exc, EngineInputError):  # the request's data (a batch of one, or run alone)
         return InvalidInput(f"model '{model}' cannot run on this request's input: {exc}")
     failed = ExecutionFailed(f"model '{model}' failed on a batch of {rows} rows: {exc}")
-    suppressed = _engine_failures.setdefault(model, EveryFewSeconds()).due()
+    suppressed = lograte.due("engine failure", model)
     if suppressed is not None:  # a 500: the operator hears of it, once per 10 s per model (a client may repeat it)
         log.warning("%s (%d more engine failures of this model since the last warning)", failed.message, suppressed)
     return failed
 
-
-#: per model, when its next engine-failure WARNING is due (:func:`_failure`)
-_engine_failures: dict[str, EveryFewSeconds] = {}
 
 
 def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None,

@@ -30,3 +30,12 @@ class EveryFewSeconds:
                 return None
             suppressed, self._last, self._suppressed = self._suppressed, now, 0
             return suppressed
+
+
+#: one :class:`EveryFewSeconds` per kind of line and subject (:func:`due`)
+_due: dict[tuple[str, str], EveryFewSeconds] = {}
+
+
+def due(kind: str, subject: str) -> int | None:
+    """:meth:`EveryFewSeconds.due` of lines of ``kind`` about ``subject`` (a model), 10 s apart."""
+    return _due.setdefault((kind, subject), EveryFewSeconds()).due()

@@ -248,20 +248,25 @@ class EngineLink:
         self._bodies[off] = body
         return body
 
+    def _hand_over(self, entries: list[tuple], blocks: list[int]) -> None:
+        """The block of each body that ``entries`` (:func:`batcher.ipc.pack_tensors`') send by offset becomes the
+        request's: appended to its ``blocks``, freed as they are."""
+        for e in entries:
+            if len(e) == 4 and type(e[3]) is int:
+                body = next((b for b in self._bodies.values() if b.offset <= e[3] < b.end), None)
+                if body is not None:
+                    del self._bodies[body.offset]
+                    body.handed = True
+                    blocks.append(body.offset)
+
     def submit(self, rid: int, cfg: ModelConfig, received: float, request: InferRequest | None,
                failure: Any) -> asyncio.Future:
         """Send one request (its tensors through the shared area); the future gets its RESULT/ERROR message."""
         entries, blocks, fields = [], [], None
         if request is not None:
             entries, blocks = pack_tensors(request.inputs, self._area, self._inputs)
-            if self._bodies:  # a body read into the area: its block becomes the request's (freed as its blocks)
-                for e in entries:
-                    if len(e) == 4 and type(e[3]) is int:
-                        body = next((b for b in self._bodies.values() if b.offset <= e[3] < b.end), None)
-                        if body is not None:
-                            del self._bodies[body.offset]
-                            body.handed = True
-                            blocks.append(body.offset)
+            if self._bodies:
+                self._hand_over(entries, blocks)
             fields = request_fields(request)
         fut = asyncio.get_running_loop().create_future()
         slot = self.index[(cfg.name, str(cfg.version))]

@@ -164,20 +164,16 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
 
 
-def keep_heap() -> None:
+def keep_heap(libc: ctypes.CDLL) -> None:
     """glibc's allocator in a front end or engine process: blocks up to :data:`MMAP_THRESHOLD_BYTES` (its largest
     allowed value) come from the heap instead of a fresh ``mmap`` each, and the heap's free top is given back to the
     kernel only past :data:`TRIM_THRESHOLD_BYTES`. A front end allocates the chunks of each large request body
     (aiohttp's, about 180 KB each) and frees them a moment later; with glibc's defaults each was new pages (a page
     fault for each 4 KiB, zeroed by the kernel) and a trim after it. The process keeps up to that much freed memory
-    for the next bodies instead (``python -m bench.body_cpu`` measures it on and off). No-op where the C library is
-    not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    for the next bodies instead (``python -m bench.body_cpu`` measures it on and off). ``libc``: glibc, loaded with
+    ``ctypes`` (:func:`child_setup`'s)."""
+    libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
 
 
 def child_setup(role: str, log_level: str, keep: bool = True) -> None:
@@ -193,12 +189,12 @@ def child_setup(role: str, log_level: str, keep: bool = True) -> None:
     # reaches the supervisor alone, which stops the children in order (front ends drain, then engines), instead of
     # an engine stopping at once under its front ends' accepted requests, or a front end getting SIGINT twice
     os.setpgrp()
-    if keep:
-        keep_heap()
-    try:
+    try:  # no-ops where the C library is not glibc
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         libc.prctl(15, role.replace(" ", "-").encode()[:15])  # PR_SET_NAME
+        if keep:
+            keep_heap(libc)
     except (OSError, AttributeError):
         pass
     # the supervisor died before prctl: this process was handed to a reaper. Compared with the supervisor's pid, not

@@ -60,12 +60,12 @@ def test_an_engine_failure_that_is_not_the_input_is_a_500_for_the_request_that_f
 def test_an_engine_failure_is_a_warning_once_per_interval_per_model_with_the_count_left_out(caplog, monkeypatch):
     """A 500 from the engine was answered without any log line (a new user's report): the operator now sees a
     WARNING, at most one per 10 s per model (a client can repeat the request), telling how many were left out."""
-    from batcher import executor
+    from batcher import lograte
     from batcher.lograte import EveryFewSeconds
 
     now = [0.0]
-    monkeypatch.setattr(executor, "_engine_failures",
-                        {m: EveryFewSeconds(10.0, clock=lambda: now[0]) for m in ("m", "n")})
+    monkeypatch.setattr(lograte, "_due",
+                        {("engine failure", m): EveryFewSeconds(10.0, clock=lambda: now[0]) for m in ("m", "n")})
     ctx = PickyContext(EngineError)
     with caplog.at_level("WARNING", logger="batcher.executor"):
         for t in (0.0, 1.0, 9.9, 10.0):
