@@ -362,7 +362,10 @@ async def test_sigterm_drains_every_accepted_request_across_processes(start_serv
     job): readiness false, new requests 503, every accepted request answered,
     exit 0. Each child has a process group of its own, so a group's signal reaches the supervisor alone, which
     stops the engines only after the front ends drained."""
-    server = start_server({"server": {"frontends": 2, "shutdown_grace_s": 20}, "models": [MID]})
+    # the slow request: 32 rows (about 0.4 s here), long enough that its front end is still draining when the probe
+    # is sent 0.35 s after it (8 rows, ~0.1 s, were done by then once in a while: the probe found the port closed)
+    server = start_server({"server": {"frontends": 2, "shutdown_grace_s": 20},
+                           "models": [{**MID, "max_batch_size": 32}]})
     _wait_log(server, r"serving KServe v2")
     url = f"{server.base}/v2/models/mid_cnn/infer"
     conns = [Connection() for _ in range(6)]
@@ -382,7 +385,7 @@ async def test_sigterm_drains_every_accepted_request_across_processes(start_serv
             async with s.post(url, **_binary(np.ones((rows, 3, 224, 224), np.float32))) as r:
                 return r.status, await r.read()
 
-        tasks = [asyncio.create_task(post(sessions[0], 8))]  # ~0.5 s executing
+        tasks = [asyncio.create_task(post(sessions[0], 32))]  # ~0.4 s executing
         await asyncio.sleep(0.15)
         tasks += [asyncio.create_task(post(s, 1)) for s in sessions[1:]]
         assert await _queued(server, 5)
