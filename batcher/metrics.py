@@ -42,11 +42,13 @@ add up over the live engine processes; ``batcher_model_loaded`` is the maximum; 
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from engines.base import DeviceTimes
@@ -75,6 +77,26 @@ def read_pid_once() -> None:
         values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
 
 
+class _EveryProcess(MultiProcessCollector):
+    """prometheus-client's ``MultiProcessCollector``, less the files another process has created but not sized yet.
+
+    A process's value file is created empty and then grown to its first size: read in between (a second engine
+    process starting, or a scrape, while one starts), prometheus-client's reader fails on it (``struct.error``:
+    an engine process died at start in CI; a scrape would answer 500). An empty file holds no sample yet, so it is
+    left out; once it has its size, its header says how much of it is written."""
+
+    def collect(self):
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _sized(f)]
+        return self.merge(files, accumulate=True)
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8  # the header: bytes used, and padding
+    except OSError:  # removed meanwhile (a process that exited: its live gauges)
+        return False
+
+
 class Metrics:
     """The service's metric families, in their own registry (one per app, so apps in one process don't clash)."""
 
@@ -85,10 +107,8 @@ class Metrics:
         labels = ("model", "version")
         r = self.registry
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client.multiprocess import MultiProcessCollector
-
             r = CollectorRegistry(auto_describe=True)  # the families write their files; they are read back from there
-            MultiProcessCollector(self.registry)
+            _EveryProcess(self.registry)
         self.success = Counter(
             "batcher_request_success", "Inference requests answered with outputs", labels, registry=r
         )
