@@ -204,7 +204,6 @@ def _failure(exc: Exception, model: str, rows: int) -> BatcherError:
     return failed
 
 
-
 def _run_alone(ctx: ExecutionContext, p: Pending, model: str, allowed: Sequence[int] | None,
                slot: int = 0) -> dict | BatcherError:
     """One request of a failed batch, executed on its own (padded like any batch, staged in the failed batch's
