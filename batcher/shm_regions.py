@@ -245,10 +245,12 @@ class CudaStaging:
                 n = min(STAGING_BYTES, host.size - start)
                 if direction == "H2D":
                     stage[:n] = host[start:start + n]
-                    memcpy_async(device_ptr + start, self._pinned.ptr, n, "H2D", self._stream, "shared memory")
+                    memcpy_async(device_ptr + start, self._pinned.ptr, n, "H2D", self._stream, "shared memory",
+                                 locked=True)
                     self._stream.synchronize()
                 else:
-                    memcpy_async(self._pinned.ptr, device_ptr + start, n, "D2H", self._stream, "shared memory")
+                    memcpy_async(self._pinned.ptr, device_ptr + start, n, "D2H", self._stream, "shared memory",
+                                 locked=True)
                     self._stream.synchronize()
                     host[start:start + n] = stage[:n]
 

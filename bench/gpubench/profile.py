@@ -4,7 +4,7 @@ One server (the largest ``--frontends``, ``--instances`` contexts) under the par
 the CPU of every thread of every server process is sampled over ``--profile-seconds`` (from ``/proc``), and, when
 py-spy is there (``--py-spy PATH``, or on PATH), all server processes are sampled for the same time. Writes
 ``scale_p_threads.csv/.md`` (role, pid, thread, cores: CPU seconds per wall second) and, with py-spy,
-``scale_p_spy.txt`` (its raw collapsed stacks) and ``scale_p_functions.csv/.md`` (per role, the functions on most
+``scale_p_spy.txt`` (its raw collapsed stacks, a thread frame under each process) and ``scale_p_functions.csv/.md`` (per role, the functions on most
 samples, inclusive). A thread near 1.0 core, or an engine process whose threads add up to more than one core of
 Python, is the bound; a machine with idle cores and no such thread is bound elsewhere (latency, the GIL).
 """
@@ -97,7 +97,7 @@ def part_profile(raw: list[dict], args, out: Path) -> list[dict]:
                 # once the load had ended: an empty --gil profile on the H200); --gil: only the thread holding it
                 records = [subprocess.Popen([spy, "record", "--subprocesses", "--pid", str(server.proc.pid),
                                              "--duration", str(max(1, round(args.profile_seconds))), "--rate",
-                                             str(SPY_RATE), "--format", "raw", "--nonblocking", *extra, "--output",
+                                             str(SPY_RATE), "--format", "raw", "--threads", "--nonblocking", *extra, "--output",
                                              str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                            for extra, path in (([], spy_out), (["--gil"], gil_out))]
                 for record in records:

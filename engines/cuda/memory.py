@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .held import held
 from .runtime import CudaError, check, runtime, take
 from .stream import Stream
 
@@ -55,18 +56,27 @@ def host_array(ptr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
 
-def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream, label: str = "") -> None:
+def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream, label: str = "", *,
+                 locked: bool = False) -> None:
     """Queue a copy of ``nbytes`` bytes from ``src`` to ``dst`` on ``stream`` (``cudaMemcpyAsync``).
 
     Args:
         direction: ``"H2D"`` (host to device), ``"D2H"`` or ``"D2D"``.
         label: what is copied (e.g. the tensor's name), for the error message.
+        locked: the host side is page-locked (:func:`page_locked`), so the call only queues the DMA: it is then
+            made keeping the GIL (:mod:`engines.cuda.held`), as every ``"D2D"`` copy is. From pageable memory the
+            driver copies on the calling thread, which must not hold the GIL meanwhile.
 
     Raises:
         CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
             ``"cudaMemcpyAsync <direction> <label> <nbytes> B failed: <error>"``.
         ValueError: unknown ``direction``.
     """
+    if locked or direction == "D2D":
+        calls = held()  # refused there: again through the bindings below, which raise with CUDA's message
+        if calls is not None and direction in _DIRECTIONS and calls.memcpy(direction, dst, src, nbytes,
+                                                                           int(stream.handle)) == 0:
+            return
     cudart = runtime()
     kinds = {
         "H2D": cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
@@ -79,17 +89,21 @@ def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream
     check(cudart.cudaMemcpyAsync(dst, src, nbytes, kinds[direction], stream.handle), what)
 
 
+_DIRECTIONS = frozenset(("H2D", "D2H", "D2D"))
+
 #: per binding of ``cudaMemcpyBatchAsync``: whether it works here (CUDA 12.8 and later, bindings and driver)
 _BATCH_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, label: str = "") -> None:
+def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, label: str = "", *,
+                       locked: bool = False) -> None:
     """Queue host-to-device copies ``(dst, src, nbytes)`` on ``stream`` in ONE call (``cudaMemcpyBatchAsync``,
     sources read in stream order), where one ``cudaMemcpyAsync`` per copy would release and take back the GIL once
     per copy: beside a busy event loop each take-back waits, up to Python's switch interval (``bench.gpu_scale``
     part d on the H200: a batch of 32 copies took 187 ms beside a thread running Python, in one call 23 ms). The
     destinations must not overlap. Where the bindings or the driver lack the call, or it refuses the first batch
-    (then decided once for the process), each copy goes by ``cudaMemcpyAsync``.
+    (then decided once for the process), each copy goes by ``cudaMemcpyAsync``. ``locked``: every source is
+    page-locked, so the call only queues the DMAs and is made keeping the GIL (:mod:`engines.cuda.held`).
 
     Raises:
         CudaError: CUDA refused a copy (the message of :func:`memcpy_async`, or ``"cudaMemcpyBatchAsync <label>
@@ -97,6 +111,11 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, l
     """
     if not copies:
         return
+    if locked:
+        calls = held()  # refused there: again through the bindings below
+        if calls is not None and (calls.memcpy_batch(copies, int(stream.handle)) if len(copies) > 1 else
+                                  calls.memcpy("H2D", *copies[0], int(stream.handle))) == 0:
+            return
     cudart = runtime()
     try:
         known = _BATCH_COPIES.get(cudart.cudaMemcpyBatchAsync)  # keyed by the binding: tests swap runtimes
@@ -114,7 +133,7 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, l
         if known:
             check(result, " ".join(part for part in ("cudaMemcpyBatchAsync", label, f"{len(copies)} copies") if part))
     for dst, src, nbytes in copies:  # one by one: raises on a copy CUDA refuses
-        memcpy_async(dst, src, nbytes, "H2D", stream, label)
+        memcpy_async(dst, src, nbytes, "H2D", stream, label, locked=locked)
     if known is None and len(copies) > 1:
         log.info("cudaMemcpyBatchAsync refused copies that cudaMemcpyAsync took: one call per copy from now on")
         _BATCH_COPIES[cudart.cudaMemcpyBatchAsync] = False
@@ -128,6 +147,9 @@ def memset_async(dst: int, value: int, nbytes: int, stream: Stream, label: str =
         CudaError: CUDA refused (bad pointer or size, destroyed stream); the message reads
             ``"cudaMemsetAsync <label> <nbytes> B failed: <error>"``.
     """
+    calls = held()  # device memory only: queued keeping the GIL (engines.cuda.held); refused there: the bindings
+    if calls is not None and calls.memset(dst, int(value), nbytes, int(stream.handle)) == 0:
+        return
     what = " ".join(part for part in ("cudaMemsetAsync", label, f"{nbytes} B") if part)
     check(runtime().cudaMemsetAsync(dst, int(value), nbytes, stream.handle), what)
 
@@ -187,13 +209,17 @@ class DeviceBuffer:
         self.nbytes = max(1, int(nbytes))
         self.ptr = int(check(runtime().cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes})"))
 
-    def copy_from_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "") -> None:
-        """Queue ``nbytes`` from host address ``host_ptr`` to the start of this buffer (see :func:`memcpy_async`)."""
-        memcpy_async(self.ptr, host_ptr, nbytes, "H2D", stream, label)
+    def copy_from_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "", *,
+                             locked: bool = False) -> None:
+        """Queue ``nbytes`` from host address ``host_ptr`` to the start of this buffer (see :func:`memcpy_async`;
+        ``locked``: the host side is page-locked)."""
+        memcpy_async(self.ptr, host_ptr, nbytes, "H2D", stream, label, locked=locked)
 
-    def copy_to_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "") -> None:
-        """Queue ``nbytes`` from the start of this buffer to host address ``host_ptr`` (see :func:`memcpy_async`)."""
-        memcpy_async(host_ptr, self.ptr, nbytes, "D2H", stream, label)
+    def copy_to_host_async(self, host_ptr: int, nbytes: int, stream: Stream, label: str = "", *,
+                           locked: bool = False) -> None:
+        """Queue ``nbytes`` from the start of this buffer to host address ``host_ptr`` (see :func:`memcpy_async`;
+        ``locked``: the host side is page-locked)."""
+        memcpy_async(host_ptr, self.ptr, nbytes, "D2H", stream, label, locked=locked)
 
     def free(self) -> None:
         """Free the memory (``cudaFree``, which synchronizes the device; CudaError if refused). Idempotent."""

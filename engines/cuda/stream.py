@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .held import held
 from .runtime import CudaError, check, runtime, take
 
 
@@ -81,6 +82,9 @@ class Event(_Handle):
         Raises:
             CudaError: CUDA refused (destroyed event or stream).
         """
+        calls = held()  # keeping the GIL (engines.cuda.held); refused there: again through the bindings, which raise
+        if calls is not None and calls.event_record(int(self.handle), int(stream.handle)) == 0:
+            return
         check(runtime().cudaEventRecord(self.handle, stream.handle), "cudaEventRecord")
 
     def synchronize(self) -> None:
@@ -99,6 +103,11 @@ class Event(_Handle):
             CudaError: an event was not recorded (``cudaErrorInvalidResourceHandle``), has not completed
                 (``cudaErrorNotReady``), or was created with ``timing=False``.
         """
+        calls = held()
+        if calls is not None:
+            err, ms = calls.event_elapsed_ms(int(start.handle), int(self.handle))
+            if err == 0:
+                return float(ms)
         return float(check(runtime().cudaEventElapsedTime(start.handle, self.handle), "cudaEventElapsedTime"))
 
     def _free(self, handle: Any) -> None:
@@ -157,6 +166,9 @@ class Graph(_Handle):
         """
         if self.handle is None:
             raise CudaError("cudaGraphLaunch on a destroyed graph")
+        calls = held()
+        if calls is not None and calls.graph_launch(int(self.handle), int(stream.handle)) == 0:
+            return
         check(runtime().cudaGraphLaunch(self.handle, stream.handle), "cudaGraphLaunch")
 
     def _free(self, handle: Any) -> None:

@@ -141,7 +141,7 @@ class IOBuffers:
         if self.needs_copy(name, arr):
             np.copyto(pinned.view(arr.shape, arr.dtype), arr)
             src = pinned.ptr
-        dev.copy_from_host_async(src, arr.nbytes, stream, repr(name))
+        dev.copy_from_host_async(src, arr.nbytes, stream, repr(name), locked=True)  # the pinned buffer or locked
         return dev
 
     def upload_parts(self, name: str, rows: RowParts, stream: Stream) -> DeviceBuffer:
@@ -156,7 +156,7 @@ class IOBuffers:
         for src, nbytes in contiguous_runs(rows.parts, page_locked):
             copies.append((dev.ptr + offset, src, nbytes))
             offset += nbytes
-        memcpy_batch_async(copies, stream, repr(name))  # one call, one release of the GIL, for all the runs
+        memcpy_batch_async(copies, stream, repr(name), locked=True)  # one call for all the runs, keeping the GIL
         if offset < rows.nbytes:
             memset_async(dev.ptr + offset, 0, rows.nbytes - offset, stream, f"{name!r} padding")
         return dev

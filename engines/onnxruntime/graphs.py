@@ -206,7 +206,7 @@ class CudaGraphContext(CudaContext):
             for spec in self._plan.outputs:
                 nbytes = n * int(np.prod(spec.shape[1:])) * self._dtypes[spec.name].itemsize
                 self._buffers.device[spec.name].copy_to_host_async(pinned[spec.name].ptr, nbytes, stream,
-                                                                   repr(spec.name))
+                                                                   repr(spec.name), locked=True)
             if self._timers:
                 self._timers[launch % len(self._timers)][1].record(stream)
             self._events[slot].record(stream)

@@ -200,14 +200,14 @@ class TensorRTContext(DeviceContext):
         for name, shape in shapes.items():
             nbytes = buffer_nbytes(shape, self._dtypes[name])
             stage(self._pinned[name], arrays[name], nbytes)
-            self._device[name].copy_from_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
+            self._device[name].copy_from_host_async(self._pinned[name].ptr, nbytes, stream, repr(name), locked=True)
         if graph is not None:
             graph.graph.launch(stream)
         elif not self._trt_context.execute_async_v3(stream.ptr):
             raise TensorRTError(f"execute_async_v3 returned False for input shapes {shapes}")
         for name, shape in out_shapes.items():
             nbytes = buffer_nbytes(shape, self._dtypes[name])
-            self._device[name].copy_to_host_async(self._pinned[name].ptr, nbytes, stream, repr(name))
+            self._device[name].copy_to_host_async(self._pinned[name].ptr, nbytes, stream, repr(name), locked=True)
         stream.synchronize()
 
     def release(self) -> None:

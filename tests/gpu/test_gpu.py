@@ -263,3 +263,32 @@ def test_device_memory_is_returned_on_release():
     free2, _ = cuda.mem_get_info(0)
     assert held > 0 and free0 - free1 >= held * 0.9
     assert free2 - free1 >= held * 0.5  # most of it comes back (ONNX Runtime keeps some process-wide state)
+
+
+def test_held_calls_are_used_on_this_driver_and_move_the_bytes():
+    """engines.cuda.held on the real driver: the layer's locked copies, batch, memset, D2D and events keep the GIL
+    and give what the bindings give (the stand-in version: tests/unit/test_cuda_held.py)."""
+    from engines.cuda.held import held
+
+    cuda.set_device(0)
+    calls = held()
+    assert calls is not None, "a CUDA 13 driver: the held calls should be found"
+    data = np.random.default_rng(0).integers(0, 255, 4096, dtype=np.uint8)
+    src, back = cuda.PinnedBuffer(4096), cuda.PinnedBuffer(4096)
+    src.array[:] = data
+    dev, dev2 = cuda.DeviceBuffer(4096), cuda.DeviceBuffer(4096)
+    stream, start, end = cuda.Stream(), cuda.Event(), cuda.Event()
+    start.record(stream)
+    cuda.memcpy_batch_async([(dev.ptr + 1024 * i, src.ptr + 1024 * i, 1024) for i in range(3)], stream, locked=True)
+    cuda.memset_async(dev.ptr + 3072, 9, 1024, stream)
+    cuda.memcpy_async(dev2.ptr, dev.ptr, 4096, "D2D", stream)
+    dev2.copy_to_host_async(back.ptr, 4096, stream, locked=True)
+    end.record(stream)
+    stream.synchronize()
+    assert bytes(back.array[:3072]) == bytes(data[:3072]) and set(back.array[3072:].tolist()) == {9}
+    assert end.elapsed_ms(start) > 0
+    assert calls.event_record(int(end.handle), int(stream.handle)) == 0
+    for obj in (src, back, dev, dev2):
+        obj.free()
+    for obj in (start, end, stream):
+        obj.destroy()
