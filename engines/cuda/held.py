@@ -2,9 +2,9 @@
 
 cuda-python releases the GIL around every call (its bindings call CUDA ``with nogil``), and a thread that let the
 GIL go has to take it back. Beside a thread that runs Python (an engine process's event loop), each take-back
-waits: ``python -m bench.cuda_gil`` on the H200 measured one ``cudaEventRecord`` at 1.1 us on an idle process and
-at 62 us beside a thread running Python without pause (Python's switch interval, 200 us here, bounds the wait).
-A batch of a CUDA-graph context makes about ten such calls. The calls of this module only queue work on a stream
+waits: ``python -m bench.cuda_gil`` on the H200 measured one ``cudaEventRecord`` at 1.25 us on an idle process
+and at 58.7 us beside a thread running Python without pause (2.4 us held; Python's switch interval, 200 us here,
+bounds the wait; ``bench/results/cuda_gil/``). A batch of a CUDA-graph context makes about ten such calls. The calls of this module only queue work on a stream
 (an event record, a copy from or to page-locked memory or within the device, a memset, a graph launch) or read
 two completed events, so they return within microseconds, and they keep the GIL: each is a
 ``ctypes.PYFUNCTYPE`` over the driver's own entry point, looked up with ``cuGetProcAddress`` at the CUDA 13.0
