@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     import engines.cuda as cuda
     from engines.cuda.held import held
 
-    cuda.require_device(0)
+    try:
+        cuda.require_device(0)
+    except cuda.CudaError as exc:
+        print(f"bench.cuda_gil needs a CUDA device: {exc}", file=sys.stderr)
+        return 2
     cuda.set_device(0)
     stream, event = cuda.Stream(), cuda.Event(timing=False)
     src, dev = cuda.PinnedBuffer(4096 * args.copies), cuda.DeviceBuffer(4096 * args.copies)

@@ -185,3 +185,17 @@ def test_the_environment_switch_turns_the_held_calls_off(monkeypatch, caplog):
         assert any("BATCHER_CUDA_HELD_CALLS=0" in r.getMessage() for r in caplog.records)
     finally:
         held_mod.reset()
+
+
+def test_the_bench_times_calls_beside_a_busy_thread_and_says_plainly_when_there_is_no_gpu(tmp_path, capsys):
+    from bench import cuda_gil
+
+    calls = []
+    assert cuda_gil.timed(lambda: calls.append(1), 50, 0.5, 3) > 0
+    assert len(calls) == 150  # 3 timings of 50 calls, each on its own thread beside the busy one
+    try:
+        cuda.require_device(0)
+    except cuda.CudaError:
+        assert cuda_gil.main(["--out", str(tmp_path)]) == 2
+        assert "bench.cuda_gil needs a CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "cuda_gil.csv").exists()
