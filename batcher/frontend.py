@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from .config import Config, ModelConfig
@@ -53,6 +54,7 @@ class RemoteDataPlane:
         self._rids = itertools.count()
         self._started = False
         self._draining = False
+        self._registered_here: set[tuple[str, str]] = set()  # (kind, name) of the regions registered through here
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -76,9 +78,12 @@ class RemoteDataPlane:
         if not (shm.system or shm.cuda):
             return
         sibling = next((other for other in self.links if other is not link and other.connected), None)
-        if sibling is None:  # nowhere to take them from
-            log.warning("the %s restarted without the shared memory regions registered there; clients must "
-                        "register them again", link.name)
+        if sibling is None:  # nowhere to take them from: each front end names those registered through it
+            lost = sorted(name for _, name in self._registered_here)
+            self._registered_here.clear()
+            if lost:
+                log.warning("the %s restarted without the shared memory regions registered there (%s, registered "
+                            "through this front end); clients must register them again", link.name, ", ".join(lost))
             return
         try:
             regions = await sibling.call("shm_status", "system") if shm.system else []
@@ -289,25 +294,35 @@ class RemoteDataPlane:
                  for link in self._links_of[(cfg.name, str(cfg.version))]}
         await asyncio.gather(*(link.call(method, model, *args) for link in links))
 
+    async def shm_register(self, kind: str, name: str, **params: Any) -> None:
+        """Register a region in every running engine process (as :meth:`__getattr__`'s methods), remembered as
+        registered through this front end (what :meth:`_restore_regions` says a restart lost)."""
+        await self._everywhere("shm_register", kind, name, **params)
+        self._registered_here.add((kind, name))
+
+    async def shm_unregister(self, kind: str, name: str | None = None) -> None:
+        """Unregister ``name`` (every region of ``kind`` when None) in every running engine process."""
+        await self._everywhere("shm_unregister", kind, name)
+        self._registered_here = {(k, n) for k, n in self._registered_here if k != kind or name not in (None, n)}
+
+    async def _everywhere(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        up = [link for link in self.links if link.connected]
+        if not up:
+            raise Unavailable("no engine process is running; they are being restarted", retry_after_s=1)
+        answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in up))
+        return answers[0]
+
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        """Any other public data-plane method (e.g. the shared-memory extension's): called in every engine process
-        that is running (a request may go to any of them; one being restarted gets the regions of the others when
-        it is back, :meth:`_restore_regions`); the first answer is returned.
+        """Any other public data-plane method (e.g. the shared-memory extension's status): called in every engine
+        process that is running (a request may go to any of them; one being restarted gets the regions of the
+        others when it is back, :meth:`_restore_regions`); the first answer is returned.
 
         Raises:
             Unavailable: no engine process is running.
         """
         if method.startswith("_"):
             raise AttributeError(method)
-
-        async def everywhere(*args: Any, **kwargs: Any) -> Any:
-            up = [link for link in self.links if link.connected]
-            if not up:
-                raise Unavailable("no engine process is running; they are being restarted", retry_after_s=1)
-            answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in up))
-            return answers[0]
-
-        return everywhere
+        return partial(self._everywhere, method)
 
 
 # ---------------------------------------------------------------------------------------------- merging answers

@@ -618,3 +618,40 @@ async def test_an_engine_process_that_restarts_gets_the_shared_memory_regions_of
         seg.unlink()
     assert server.stop() == 0
     assert "Traceback" not in server.log()
+
+
+async def test_a_restarted_lone_engine_process_is_said_to_have_lost_the_regions_each_front_end_registered(
+        start_server):
+    """Shared memory on, two front ends, one engine process killed with kill -9 (a fresh user's find: every front
+    end warned that the regions were lost, also when none had been registered): the front end a region was
+    registered through names it, once; one registered and unregistered again is not named; the other front end
+    says nothing."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    models = [m for m in _default_config()["models"] if m["name"] == "tiny_cnn"]
+    server = start_server({"server": {"frontends": 2, "shared_memory": {"system": True}}, "models": models})
+    engine_pid = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+    seg = SharedMemory(create=True, size=4096)
+    try:
+        reg = orjson.dumps({"key": "/" + seg.name, "offset": 0, "byte_size": 4096})
+        async with aiohttp.ClientSession() as s:
+            async def post(path: str, data: bytes = b"") -> int:
+                async with s.post(server.base + path, data=data) as r:
+                    await r.read()
+                    return r.status
+
+            assert await post("/v2/systemsharedmemory/region/kept/register", reg) == 200
+            assert await post("/v2/systemsharedmemory/region/gone/register", reg) == 200
+            assert await post("/v2/systemsharedmemory/region/gone/unregister") == 200
+            os.kill(engine_pid, signal.SIGKILL)
+            _wait_log(server, r"engine-cpu ready", count=2)
+            _wait_log(server, r"reconnected to the engine", count=2)  # both front ends are back on it
+            async with s.get(f"{server.base}/v2/systemsharedmemory/status") as r:
+                assert (r.status, orjson.loads(await r.read())) == (200, [])  # the regions died with it
+    finally:
+        seg.close()
+        seg.unlink()
+    lines = [line for line in server.log().splitlines() if "restarted without the shared memory regions" in line]
+    assert len(lines) == 1 and "(kept, registered through this front end)" in lines[0], lines
+    assert server.stop() == 0
+    assert "Traceback" not in server.log()
