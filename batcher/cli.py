@@ -225,8 +225,8 @@ def _serve(config, args) -> int:
             handler_cancellation=True,  # a client that goes away cancels its handler: queued work is dropped
             shutdown_timeout=server.shutdown_grace_s,
         )
-    except ConfigError as exc:
-        log.error("%s", exc)
+    except ConfigError as exc:  # a model that failed to load at startup (its own line came first) or the config
+        log.error("not serving: %s", exc)
         return 2
     finally:
         sock.close()

@@ -47,6 +47,16 @@ def test_serve_fails_clearly_on_an_unknown_zoo_model(tmp_path):
     assert "models[0].path" in r.stderr and "ppocr_det" in r.stderr
 
 
+def test_serve_says_once_why_a_model_failed_to_load_then_that_it_is_not_serving(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - {name: a, path: 'zoo:tiny_cnn'}\n  - {name: b, path: /no/such.onnx}\n")
+    r = _cli("serve", "--config", str(cfg), "--port", "0")
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if "'/no/such.onnx' is not a file" in line]
+    assert len(lines) == 2 and "ERROR batcher.repository: models[1].path" in lines[0], lines
+    assert "ERROR batcher: not serving: models[1].path" in lines[1]
+
+
 def test_check_config_resolves_paths_and_load_checks_dims(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("models:\n  - {name: a, path: 'zoo:nope'}\n  - {name: b, path: /no/such.onnx}\n"
