@@ -13,7 +13,7 @@ It prints a table and saves ``OUT/cuda_gil.csv``: ``duty``, ``call``, ``path`` (
 and call)::
 
     python -m bench.cuda_gil --out bench/results/cuda_gil
-    python -m bench.cuda_gil --duties 0,0.5,0.9,1 --switch-us 200
+    python -m bench.cuda_gil --out /tmp/cuda_gil --duties 0,0.5,0.9,1 --switch-us 200
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def timed(fn, calls: int, duty: float, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.cuda_gil", __doc__)
-    p.add_argument("--out", type=Path, default=Path("bench/results/cuda_gil"))
+    p.add_argument("--out", type=Path, required=True, help="folder for cuda_gil.csv (the committed run: "
+                   "bench/results/cuda_gil)")
     p.add_argument("--duties", type=comma_list(float), default=[0.0, 0.6, 1.0],
                    help="shares of each millisecond the other thread holds the GIL (default 0,0.6,1)")
     p.add_argument("--calls", type=int, default=500, help="calls per timing (default 500)")

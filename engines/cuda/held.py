@@ -14,7 +14,7 @@ the bindings and release the GIL.
 
 :func:`held` gives the calls, or None where they are not used, and then the layer calls the bindings as before:
 a driver older than 13.0 or none at all (CPU machines), a runtime injected in place of the real bindings (tests),
-or the environment variable ``BATCHER_CUDA_HELD_CALLS=0``. Each call returns the driver's ``CUresult`` (0:
+or the environment variable ``BATCHER_CUDA_HELD_CALLS=0`` (or ``false``, ``off``, ``no``). Each call returns the driver's ``CUresult`` (0:
 success); the layer makes a refused call again through the bindings, which raise
 :class:`~engines.cuda.runtime.CudaError` with CUDA's own message. A driver call works on the calling thread's
 current CUDA context: the runtime makes the device's primary context current on a thread at its first runtime
@@ -40,8 +40,10 @@ log = logging.getLogger("engines.cuda")
 #: 10 * minor). CUDA 13.0 changed ``cuMemcpyBatchAsync`` (no ``failIdx``); older drivers are not used.
 ABI_VERSION = 13000
 
-#: The environment variable that turns the held calls off (``0``), for a driver that misbehaves with them.
+#: The environment variable that turns the held calls off (``0``, ``false``, ``off`` or ``no``), for a driver that
+#: misbehaves with them.
 ENV_SWITCH = "BATCHER_CUDA_HELD_CALLS"
+_OFF = frozenset(("0", "false", "off", "no"))
 
 _P = ctypes.PYFUNCTYPE  # a foreign function that keeps the GIL (ctypes.CFUNCTYPE would release it)
 _CUdeviceptr = c_uint64
@@ -151,8 +153,9 @@ def held() -> HeldCalls | None:
 
 
 def _load() -> HeldCalls | None:
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-        log.info("%s=0: CUDA calls release the GIL", ENV_SWITCH)
+    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if switch in _OFF:
+        log.info("%s=%s: CUDA calls release the GIL", ENV_SWITCH, switch)
         return None
     try:
         from cuda.bindings import driver

@@ -176,13 +176,15 @@ def test_no_held_calls_beside_a_stand_in_runtime():
         assert held_mod.held() is None
 
 
-def test_the_environment_switch_turns_the_held_calls_off(monkeypatch, caplog):
-    monkeypatch.setenv(held_mod.ENV_SWITCH, "0")
+@pytest.mark.parametrize("value", ["0", "false", " Off "])
+def test_the_environment_switch_turns_the_held_calls_off(monkeypatch, caplog, value):
+    monkeypatch.setenv(held_mod.ENV_SWITCH, value)
     held_mod.reset()
     try:
         with caplog.at_level(logging.INFO, logger="engines.cuda"):
             assert held_mod.held() is None
-        assert any("BATCHER_CUDA_HELD_CALLS=0" in r.getMessage() for r in caplog.records)
+        said = [r.getMessage() for r in caplog.records if "CUDA calls release the GIL" in r.getMessage()]
+        assert said == [f"BATCHER_CUDA_HELD_CALLS={value.strip().lower()}: CUDA calls release the GIL"]
     finally:
         held_mod.reset()
 
