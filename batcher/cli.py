@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     from .config import load_config
+    from .supervisor import setup_logging
 
+    # what loading the config logs (a repository's config.pbtxt left unread) in the server's format; serve sets
+    # the configured level once the config is read
+    setup_logging(getattr(args, "log_level", None) or "warning")
     try:
         config = load_config(args.config if args.command == "serve" else args.path, args.model_repository)
     except ConfigError as exc:

@@ -57,6 +57,19 @@ def test_serve_says_once_why_a_model_failed_to_load_then_that_it_is_not_serving(
     assert "ERROR batcher: not serving: models[1].path" in lines[1]
 
 
+def test_a_repository_config_pbtxt_left_unread_is_logged_in_the_server_format(tmp_path):
+    version = tmp_path / "repo" / "m" / "1"
+    version.mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    from bench.mlp import write_trivial
+
+    write_trivial(version / "model.onnx")
+    r = _cli("check-config", "--model-repository", str(tmp_path / "repo"))
+    assert r.returncode == 0, r.stderr
+    line = r"^\S+ \S+ WARNING batcher.model_repository: \S+/m: config.pbtxt is not read"
+    assert re.search(line, r.stderr, re.M), r.stderr
+
+
 def test_check_config_resolves_paths_and_load_checks_dims(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("models:\n  - {name: a, path: 'zoo:nope'}\n  - {name: b, path: /no/such.onnx}\n"
