@@ -148,6 +148,7 @@ class DataPlane:
             self._monitor = None
         await self.repository.close()
         await self.shm.close()
+        self.metrics.tally.flush()  # the last pass's counts (its flush may never run once the loop stops)
 
     async def _watch_throughput(self, tick_s: float = 1.0) -> None:
         """Every ``tick_s``: per-model throughput and the live retention ratio (:mod:`batcher.retention`)."""
@@ -293,8 +294,7 @@ class DataPlane:
         elapsed = asyncio.get_running_loop().time() - received
         outcomes = self.metrics.outcomes(slot.name, slot.version)
         if reason is None:
-            outcomes.success.inc()
-            outcomes.duration.observe(elapsed)
+            outcomes.succeeded(elapsed)
             slot.stats.success.add(elapsed)
             slot.stats.last_inference_ms = int(time.time() * 1e3)
         else:

@@ -4,7 +4,9 @@ its CPU per request, when driver processes speak its Unix-socket protocol direct
 Each driver process holds one connection (as a front end does: :class:`batcher.remote.EngineLink`) and keeps
 ``--concurrency`` requests outstanding, closed loop: submit, await the answer, acknowledge, submit again. Tensors
 of 64 KiB or more go through the connection's shared area, as from a real front end. The engine process is the
-real one (:func:`batcher.engine_proc.engine_main`), started as the supervisor starts it.
+real one (:func:`batcher.engine_proc.engine_main`), started as the supervisor starts it, its metrics written to
+files (prometheus-client's multiprocess mode; the results committed before 2026-12-03 had them in memory, which
+costs less).
 
 It prints, and saves as CSV (``--out``):
 
@@ -151,7 +153,18 @@ def run(args) -> dict:
     ctx = mp.get_context("spawn")
     r, w = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=engine_main, args=(config, engine, sock, "warning", w))
-    proc.start()
+    # its metrics in files, as the supervisor starts it (prometheus-client's multiprocess mode: every write goes to a
+    # shared file, the cost a real engine process pays per count)
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(models_dir / "metrics")
+    (models_dir / "metrics").mkdir()
+    try:
+        proc.start()
+    finally:
+        if before is None:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
     w.close()
     if not r.poll(600):
         raise RuntimeError("the engine process did not report ready")
