@@ -176,7 +176,10 @@ def _load() -> HeldCalls | None:
 
         attrs = driver.CUmemcpyAttributes()
         attrs.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        return HeldCalls(resolve, int(attrs.getPtr()), keep=attrs)
+        calls = HeldCalls(resolve, int(attrs.getPtr()), keep=attrs)
+        log.info("CUDA driver %d: the calls that only queue work keep the GIL (%s=0 turns that off)", version,
+                 ENV_SWITCH)
+        return calls
     except Exception as exc:  # no driver library (CPU machines), or an entry point missing: the bindings only
         log.debug("CUDA calls release the GIL: %r", exc)
         return None
