@@ -74,9 +74,8 @@ def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream
     """
     if locked or direction == "D2D":
         calls = held()  # refused there: again through the bindings below, which raise with CUDA's message
-        if calls is not None and direction in _DIRECTIONS and calls.memcpy(direction, dst, src, nbytes,
-                                                                           int(stream.handle)) == 0:
-            return
+        if calls is not None and calls.memcpy(direction, dst, src, nbytes, int(stream.handle)) == 0:
+            return  # (an unknown direction raises there the ValueError the bindings' path raises)
     cudart = runtime()
     kinds = {
         "H2D": cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
@@ -88,8 +87,6 @@ def memcpy_async(dst: int, src: int, nbytes: int, direction: str, stream: Stream
     what = " ".join(part for part in ("cudaMemcpyAsync", direction, label, f"{nbytes} B") if part)
     check(cudart.cudaMemcpyAsync(dst, src, nbytes, kinds[direction], stream.handle), what)
 
-
-_DIRECTIONS = frozenset(("H2D", "D2H", "D2D"))
 
 #: per binding of ``cudaMemcpyBatchAsync``: whether it works here (CUDA 12.8 and later, bindings and driver)
 _BATCH_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -111,10 +108,9 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: Stream, l
     """
     if not copies:
         return
-    if locked:
+    if locked and len(copies) > 1:  # (one copy: memcpy_async below, held too)
         calls = held()  # refused there: again through the bindings below
-        if calls is not None and (calls.memcpy_batch(copies, int(stream.handle)) if len(copies) > 1 else
-                                  calls.memcpy("H2D", *copies[0], int(stream.handle))) == 0:
+        if calls is not None and calls.memcpy_batch(copies, int(stream.handle)) == 0:
             return
     cudart = runtime()
     try:
