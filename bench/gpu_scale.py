@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench.gpubench.common import add_load_arguments, chosen_parts, cuda_provider_missing, say
+from bench.gpubench.scale import cpu_list
 from bench.scripts import comma_list, script_parser
 
 
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-transport", choices=["binary", "shm"], default="binary",
                    help="(p): the load's input: binary HTTP, or system shared memory (one registered region)")
     p.add_argument("--py-spy", default=None, help="(p): the py-spy binary (default: py-spy on PATH, else none)")
+    p.add_argument("--engine-cpus", type=cpu_list, default=None,
+                   help="pin the engine processes' threads to these CPUs (0-2,5), the front ends and the load "
+                        "generator to the others (default: no pinning)")
+    p.add_argument("--engine-nice", type=int, default=None, help="the engine threads' nice value (default: as is)")
     add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
     args = p.parse_args(argv)
     parts = chosen_parts(p, args.parts, "r,d,s,n,m,t,g,p")

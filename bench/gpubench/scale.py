@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.peers import cpu_delta, machine_busy_seconds, tree_cpu_seconds
+from bench.peers import cpu_delta, descendants, machine_busy_seconds, role_of, tree_cpu_seconds
 from bench.server import ServerProcess
 from bench.sweep.requests import build_request
 from bench.sweep.run import SweepConfig, run_sweep
@@ -58,14 +58,60 @@ def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str]
                       warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
                       metrics_url=server.base + "/metrics")
     before = server.metrics()
-    cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
-    row = run_sweep(cfg, body, headers)[0]
+    with placed(server, args):
+        cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
+        row = run_sweep(cfg, body, headers)[0]
     cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
     row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
     # the whole machine (server, load generator, kernel): is the box itself the bound?
     row["machine_busy_cores"] = (machine_busy_seconds() - busy0) / (time.monotonic() - t0)
     row.update(batch_times(before, server.metrics(), model))
     return row
+
+
+def cpu_list(text: str) -> set[int]:
+    """``--engine-cpus``: CPU numbers and ranges, ``0-2,5`` -> {0, 1, 2, 5}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _pin(pid: int, cpus: set[int], nice: int | None) -> None:
+    """Every thread of ``pid`` on ``cpus`` (``sched_setaffinity`` per thread: it is per thread), at ``nice``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+@contextlib.contextmanager
+def placed(server: ServerProcess, args):
+    """For one step with ``--engine-cpus``: the server's engine processes (every thread) on those CPUs, its front
+    ends and this process (the client processes start inside the step and inherit it) on the others; with
+    ``--engine-nice`` the engine threads at that nice value. Without either option nothing changes. This process's
+    own affinity is given back after the step (the server's stays: the next step on it is placed the same)."""
+    engine_cpus = getattr(args, "engine_cpus", None)
+    nice = getattr(args, "engine_nice", None)
+    if engine_cpus is None and nice is None:
+        yield
+        return
+    every = os.sched_getaffinity(0)
+    engine = set(engine_cpus) if engine_cpus else every
+    rest = every - engine if engine_cpus else every
+    for pid in descendants(server.proc.pid):
+        role = role_of(pid)
+        if role == "engine":
+            _pin(pid, engine, nice)
+        elif role == "frontend":
+            _pin(pid, rest, None)
+    os.sched_setaffinity(0, rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, every)
 
 
 def batch_times(before: dict, after: dict, model: str) -> dict:
