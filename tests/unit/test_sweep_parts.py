@@ -584,3 +584,58 @@ def test_a_sigterm_sent_from_inside_a_finalizer_still_stops_the_steps():
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_cpu_list_reads_numbers_and_ranges():
+    from bench.gpubench.scale import cpu_list
+
+    assert cpu_list("0-2,5") == {0, 1, 2, 5}
+    assert cpu_list("3") == {3}
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two CPUs to place apart")
+def test_placed_pins_the_engine_threads_and_the_front_ends_apart_and_gives_this_process_its_cpus_back():
+    """bench.gpu_scale --engine-cpus: processes named as the supervisor names them (``engine-...``,
+    ``frontend-...``) under the server's pid are placed, every thread of the engine; this process runs the step on
+    the other CPUs and has all of them back after it."""
+    import os
+    import subprocess
+    import types
+
+    from bench.gpubench.scale import placed
+
+    every = os.sched_getaffinity(0)
+    first = min(every)
+    # a "server" with an engine child (two threads) and a front-end child, named through /proc/self/comm
+    code = ("import sys, threading, time; open('/proc/self/comm', 'w').write(sys.argv[1]); "
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); print('up', flush=True); "
+            "time.sleep(60)")
+    server = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys, time; ps = [subprocess.Popen([sys.executable, '-c', {code!r}, n]) "
+                               "for n in ('engine-gpu0', 'frontend-0')]; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        from bench.peers import descendants, role_of
+
+        while time.monotonic() < deadline:
+            roles = {role_of(p): p for p in descendants(server.pid)}
+            engine = roles.get("engine")
+            if "frontend" in roles and engine and len(os.listdir(f"/proc/{engine}/task")) >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the stand-in server's children did not start")
+        args = types.SimpleNamespace(engine_cpus={first}, engine_nice=None)
+        with placed(types.SimpleNamespace(proc=server), args):
+            assert os.sched_getaffinity(0) == every - {first}
+            for tid in os.listdir(f"/proc/{roles['engine']}/task"):
+                assert os.sched_getaffinity(int(tid)) == {first}
+            assert os.sched_getaffinity(roles["frontend"]) == every - {first}
+        assert os.sched_getaffinity(0) == every
+        with placed(types.SimpleNamespace(proc=server), types.SimpleNamespace(engine_cpus=None, engine_nice=None)):
+            assert os.sched_getaffinity(0) == every  # neither option: nothing moves
+    finally:
+        for p in descendants(server.pid)[::-1]:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(p, 9)
+        server.wait()
