@@ -78,13 +78,25 @@ def cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def _pin(pid: int, cpus: set[int], nice: int | None) -> None:
-    """Every thread of ``pid`` on ``cpus`` (``sched_setaffinity`` per thread: it is per thread), at ``nice``."""
+def _pin(pid: int, cpus: set[int], nice: int | None) -> list[str]:
+    """Every thread of ``pid`` on ``cpus`` (``sched_setaffinity`` is per thread), at ``nice``; returns what was
+    refused (a negative nice needs CAP_SYS_NICE, which a container may not grant), one line per kind of failure."""
+    refused: dict[str, str] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
+        try:
             os.sched_setaffinity(int(tid), cpus)
-            if nice is not None:
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            refused.setdefault("affinity", f"pid {pid}: sched_setaffinity {sorted(cpus)}: {exc}")
+        if nice is not None:
+            try:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except ProcessLookupError:
+                continue
+            except OSError as exc:
+                refused.setdefault("nice", f"pid {pid}: nice {nice}: {exc}")
+    return list(refused.values())
 
 
 @contextlib.contextmanager
@@ -92,7 +104,12 @@ def placed(server: ServerProcess, args):
     """For one step with ``--engine-cpus``: the server's engine processes (every thread) on those CPUs, its front
     ends and this process (the client processes start inside the step and inherit it) on the others; with
     ``--engine-nice`` the engine threads at that nice value. Without either option nothing changes. This process's
-    own affinity is given back after the step (the server's stays: the next step on it is placed the same)."""
+    own affinity is given back after the step (the server's stays: the next step on it is placed the same). What
+    the kernel refuses is printed, and the step runs as placed so far.
+
+    Raises:
+        ValueError: ``--engine-cpus`` names a CPU this process may not use, or leaves none for the others.
+    """
     engine_cpus = getattr(args, "engine_cpus", None)
     nice = getattr(args, "engine_nice", None)
     if engine_cpus is None and nice is None:
@@ -101,12 +118,18 @@ def placed(server: ServerProcess, args):
     every = os.sched_getaffinity(0)
     engine = set(engine_cpus) if engine_cpus else every
     rest = every - engine if engine_cpus else every
+    if not engine <= every or not rest:
+        raise ValueError(f"--engine-cpus {sorted(engine)}: must be a part of this process's CPUs {sorted(every)}, "
+                         "leaving some for the front ends and the load generator")
+    refused = []
     for pid in descendants(server.proc.pid):
         role = role_of(pid)
         if role == "engine":
-            _pin(pid, engine, nice)
+            refused += _pin(pid, engine, nice)
         elif role == "frontend":
-            _pin(pid, rest, None)
+            refused += _pin(pid, rest, None)
+    for line in refused:
+        say(f"  placement refused: {line}")
     os.sched_setaffinity(0, rest)
     try:
         yield

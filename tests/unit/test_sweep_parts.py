@@ -639,3 +639,18 @@ def test_placed_pins_the_engine_threads_and_the_front_ends_apart_and_gives_this_
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.kill(p, 9)
         server.wait()
+
+
+def test_placed_refuses_cpus_outside_this_process_or_none_left_for_the_others():
+    import os
+    import types
+
+    from bench.gpubench.scale import placed
+
+    every = os.sched_getaffinity(0)
+    server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=os.getpid()))
+    for cpus in ({max(every) + 1}, set(every)):
+        with pytest.raises(ValueError, match="--engine-cpus"):
+            with placed(server, types.SimpleNamespace(engine_cpus=cpus, engine_nice=None)):
+                pass
+    assert os.sched_getaffinity(0) == every
