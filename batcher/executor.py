@@ -36,7 +36,7 @@ from engines.base import DeviceTimes, EngineError, EngineInputError, EngineUnava
 from .batch_sizes import padded_size
 from .batching import Pending, split_outputs, stack_inputs
 from .errors import BatcherError, DeadlineExceeded, ExecutionFailed, InvalidInput, Unavailable
-from . import lograte
+from . import batch_trace, lograte
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +265,8 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None,
 
 def _post(job: _Job, result: BatchResult | None, error: BaseException | None = None) -> None:
     """Settle a batch's future from any thread (on its event loop), then call its ``done`` hook there."""
+    if job.staged is not None:
+        batch_trace.mark(job.staged.batch, "post")
     try:
         job.loop.call_soon_threadsafe(_settle, job.future, result, error, job.done)
     except RuntimeError:  # the event loop is closed: nobody waits for it
@@ -300,6 +302,7 @@ class DevicePipeline:
 
     def put(self, job: _Job) -> None:
         """Queue a staged batch (any thread); the context's thread drains the queue."""
+        batch_trace.mark(job.staged.batch, "put")
         with self._lock:
             self._jobs.append(job)
             if self._active:
@@ -364,10 +367,12 @@ class DevicePipeline:
                     inflight.pop()
                 continue
             job = inflight[0]
+            batch_trace.mark(job.staged.batch, "collect0")
             try:
                 outputs: dict | Exception = self.context.collect(job.launched)
             except (EngineError, ValueError) as exc:
                 outputs = exc
+            batch_trace.mark(job.staged.batch, "collect1")
             execute_s = time.perf_counter() - max(job.start, last_end)
             _post(job, finish_batch(self.context, job.staged, job.model, job.allowed, outputs, execute_s,
                                     device_times(self.context, outputs)))
@@ -382,12 +387,14 @@ class DevicePipeline:
             _post(job, run_batch(self.context, staged, job.model, job.allowed))
             return False
         job.start = time.perf_counter()
+        batch_trace.mark(staged.batch, "launch0")
         try:
             job.launched = self.context.launch(staged.inputs)
         except (EngineError, ValueError) as exc:
             _post(job, finish_batch(self.context, staged, job.model, job.allowed, exc,
                                     time.perf_counter() - job.start))
             return False
+        batch_trace.mark(staged.batch, "launch1")
         return True
 
 
@@ -467,11 +474,13 @@ class ThreadExecutor:
         assert self._stager is not None and device is not None, "pipeline() needs depth >= 2"
 
         def stage() -> None:
+            batch_trace.mark(args[0], "stage0")
             try:
                 staged = stage_batch(self.context, *args, slot)
             except Exception as exc:  # a bug (stage_batch catches the engine's errors): the batch fails
                 _post(_Job(None, args[1], args[4], loop, future, done), None, exc)  # type: ignore[arg-type]
                 return
+            batch_trace.mark(args[0], "stage1")
             device.put(_Job(staged, args[1], args[4], loop, future, done))
 
         self._stager.submit(stage)

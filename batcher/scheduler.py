@@ -42,6 +42,7 @@ from functools import partial
 
 import numpy as np
 
+from . import batch_trace
 from .batching import (
     ArrivalGaps,
     BatchTimes,
@@ -297,6 +298,7 @@ class ModelRunner:
 
     def _dispatch(self, token: tuple[int, int], batch: list[Pending]) -> None:
         """Hand ``batch`` to executor ``token[0]`` (staging slot ``token[1]``); :meth:`_finish` settles it."""
+        batch_trace.mark(batch, "dispatch")
         now = self._loop.time()
         waited = [now - p.arrival for p in batch]
         for p, w in zip(batch, waited):
@@ -381,6 +383,7 @@ class ModelRunner:
         self._idle.put_nowait(token)
         self._executing_rows -= sum(p.rows for p in batch)
         result = _batch_result(self.name, fut, len(batch))
+        batch_trace.end(batch, result.rows, result.padded_rows, result.device)
         if result.rows:
             self._record_batch(result, len(batch))
         try:

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from batcher import batch_trace
 from bench.peers import cpu_delta, descendants, machine_busy_seconds, role_of, tree_cpu_seconds
 from bench.server import ServerProcess
 from bench.sweep.requests import build_request
@@ -51,22 +52,35 @@ def server_config(models: list[dict], frontends: int, args, shm: bool = False,
     return {"server": server, "models": models}
 
 
-def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str], clients: int, args) -> dict:
+def load(server: ServerProcess, model: str, body: bytes, headers: dict[str, str], clients: int, args,
+         label: str = "") -> dict:
     """One closed-loop step of ``clients`` over ``args.client_processes`` processes; the toolkit's row plus the
-    server's CPU (every process) per request."""
+    server's CPU (every process) per request. With the server's batches traced (``BATCHER_BATCH_TRACE``, inherited
+    by the server), the step's ``label`` and its start and end on the trace's clock go to ``steps.csv`` there."""
     cfg = SweepConfig(url=server.url, model=model, mode="closed", concurrency=[clients], duration=args.duration,
                       warmup=args.warmup, processes=args.client_processes, client_timeout_s=60, progress=False,
                       metrics_url=server.base + "/metrics")
     before = server.metrics()
     with placed(server, args):
         cpu0, busy0, t0 = tree_cpu_seconds(server.proc.pid), machine_busy_seconds(), time.monotonic()
+        started = time.perf_counter()
         row = run_sweep(cfg, body, headers)[0]
+        trace_step(label, started, time.perf_counter(), args.duration)
     cpu = cpu_delta(cpu0, tree_cpu_seconds(server.proc.pid))
     row["server_cpu_ms_per_request"] = cpu / max(row["ok"], 1) * 1e3
     # the whole machine (server, load generator, kernel): is the box itself the bound?
     row["machine_busy_cores"] = (machine_busy_seconds() - busy0) / (time.monotonic() - t0)
     row.update(batch_times(before, server.metrics(), model))
     return row
+
+
+def trace_step(label: str, start: float, end: float, duration: float) -> None:
+    """One step's line in ``$BATCHER_BATCH_TRACE/steps.csv`` (label, start, end, measured seconds), when set."""
+    folder = os.environ.get(batch_trace.ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "steps.csv"), "a") as f:
+            f.write(f"{label},{start:.6f},{end:.6f},{duration}\n")
 
 
 def cpu_list(text: str) -> set[int]:
@@ -183,8 +197,8 @@ def part_frontends(raw: list[dict], args, out: Path) -> list[dict]:
         for n in args.frontends:
             cfg = server_config([model_entry(args.model, args)], n, args)
             with ServerProcess(cfg, Path(tmp), name=f"frontends-{n}", timeout_s=600) as server:
-                rows.append(summary(load(server, args.model, body, headers, args.clients, args), raw, args,
-                                    frontends=n, transport="binary"))
+                rows.append(summary(load(server, args.model, body, headers, args.clients, args,
+                                         label=f"frontends {n}"), raw, args, frontends=n, transport="binary"))
             say(f"  (n) {rows[-1]}")
 
     def plot(png: Path) -> None:
@@ -263,7 +277,7 @@ def part_shm(raw: list[dict], args, out: Path) -> list[dict]:
         with ServerProcess(cfg, Path(tmp), name="shm", timeout_s=600) as server:
             register(server)
             for transport, (b, h) in (("binary", binary_request()), ("system shm", (body, headers))):
-                rows.append(summary(load(server, args.model, b, h, args.clients, args), raw, args,
+                rows.append(summary(load(server, args.model, b, h, args.clients, args, label=transport), raw, args,
                                     frontends=n, transport=transport))
                 say(f"  (m) {rows[-1]}")
     finish(out, "scale_m_shm", f"(m) {args.model}: binary HTTP against system shared memory ({n} front ends)", rows)
