@@ -76,13 +76,16 @@ class RowParts:
     Args:
         parts: the requests' arrays in batch order, each ``[r_i, ...]``, C-contiguous, one dtype and row shape.
         rows: the batch's rows with padding (>= the parts' rows); rows past the parts' are zeros.
+        ptrs: the parts' host addresses (``part.ctypes.data``, about 1 us each), where the caller has them already;
+            else read here.
     """
 
-    __slots__ = ("parts", "shape", "dtype", "row_nbytes")
+    __slots__ = ("parts", "ptrs", "shape", "dtype", "row_nbytes")
 
-    def __init__(self, parts: list[np.ndarray], rows: int) -> None:
+    def __init__(self, parts: list[np.ndarray], rows: int, ptrs: list[int] | None = None) -> None:
         first = parts[0]
         self.parts = parts
+        self.ptrs = ptrs if ptrs is not None else [p.ctypes.data for p in parts]
         self.shape = (rows, *first.shape[1:])
         self.dtype = first.dtype
         self.row_nbytes = first.dtype.itemsize * int(np.prod(first.shape[1:], dtype=np.int64))

@@ -29,6 +29,9 @@ IPC_HANDLE_BYTES = 64
 #: Live page-locked host ranges of this process (pinned buffers and registrations): base address -> bytes.
 _LOCKED: dict[int, int] = {}
 _LOCKED_LOCK = threading.Lock()
+#: ``(start, end)`` of the live range :func:`page_locked` found last (one tuple, read and replaced whole); ``(1, 0)``
+#: holds no address.
+_last: tuple[int, int] = (1, 0)
 
 
 def _track(ptr: int, nbytes: int) -> None:
@@ -37,15 +40,32 @@ def _track(ptr: int, nbytes: int) -> None:
 
 
 def _untrack(ptr: int) -> None:
+    global _last
     with _LOCKED_LOCK:
         _LOCKED.pop(ptr, None)
+        if _last[0] == ptr:
+            _last = (1, 0)
 
 
 def page_locked(ptr: int, nbytes: int) -> bool:
     """Whether ``[ptr, ptr + nbytes)`` lies inside one live :class:`PinnedBuffer` or :class:`HostRegistration` of
-    this process, so that a copy from it is real asynchronous DMA and needs no staging copy first."""
+    this process, so that a copy from it is real asynchronous DMA and needs no staging copy first.
+
+    The range found last is tried first: a batch's parts mostly lie in one shared area or client region, and a
+    scan of every range per part held the GIL 2.6 us on the 2-core machine with an engine process's 24 ranges, 0.1
+    us with the shortcut (a batch of 32 parts is checked when gathered, and adjacent parts again when uploaded).
+    What that took from the engine's event loop shows on the H200: README "Many front ends, shared memory, two
+    GPUs", twelfth session."""
+    global _last
+    start, end = _last
+    if start <= ptr and ptr + nbytes <= end:
+        return True
     with _LOCKED_LOCK:
-        return any(base <= ptr and ptr + nbytes <= base + size for base, size in _LOCKED.items())
+        for base, size in _LOCKED.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                _last = (base, base + size)
+                return True
+        return False
 
 
 def host_array(ptr: int, nbytes: int) -> np.ndarray:

@@ -153,7 +153,7 @@ class IOBuffers:
         synchronized."""
         _, dev = self.ensure(name, rows.nbytes)
         copies, offset = [], 0
-        for src, nbytes in contiguous_runs(rows.parts, page_locked):
+        for src, nbytes in contiguous_runs(rows.parts, page_locked, rows.ptrs):
             copies.append((dev.ptr + offset, src, nbytes))
             offset += nbytes
         memcpy_batch_async(copies, stream, repr(name), locked=True)  # one call for all the runs, keeping the GIL
@@ -172,13 +172,15 @@ class IOBuffers:
         self.device.clear()
 
 
-def contiguous_runs(parts: list[np.ndarray], joinable: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+def contiguous_runs(parts: list[np.ndarray], joinable: Callable[[int, int], bool],
+                    ptrs: list[int] | None = None) -> list[tuple[int, int]]:
     """``(address, bytes)`` of each run of C-contiguous ``parts`` that follow each other in memory, in order: a part
     starting where the previous one ends joins its run if ``joinable(start, bytes)`` holds for the run with it
-    (:func:`page_locked`: inside one page-locked range, as two mappings that happen to be adjacent are not)."""
+    (:func:`page_locked`: inside one page-locked range, as two mappings that happen to be adjacent are not).
+    ``ptrs``: the parts' addresses where known (:attr:`RowParts.ptrs`)."""
     runs: list[list[int]] = []
-    for part in parts:
-        ptr, n = part.ctypes.data, part.nbytes
+    for part, ptr in zip(parts, ptrs if ptrs is not None else [p.ctypes.data for p in parts]):
+        n = part.nbytes
         if runs and runs[-1][0] + runs[-1][1] == ptr and joinable(runs[-1][0], runs[-1][1] + n):
             runs[-1][1] += n
         else:

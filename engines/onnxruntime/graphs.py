@@ -396,11 +396,15 @@ class CudaGraphContext(CudaContext):
         if dtype is None or name in self._output_names or rows > max(self._sizes):
             return None
         row_shape = parts[0].shape[1:]
+        ptrs = []
         for part in parts:
-            if (part.dtype != dtype or part.shape[1:] != row_shape or not part.flags.c_contiguous
-                    or not page_locked(part.ctypes.data, part.nbytes)):
+            if part.dtype != dtype or part.shape[1:] != row_shape or not part.flags.c_contiguous:
                 return None
-        return RowParts(parts, rows)
+            ptr = part.ctypes.data
+            if not page_locked(ptr, part.nbytes):
+                return None
+            ptrs.append(ptr)
+        return RowParts(parts, rows, ptrs)
 
     def release(self) -> None:
         """Free the session (and its graphs), the buffers and the stream on the context's thread, then stop the

@@ -652,6 +652,34 @@ def test_back_to_back_parts_join_only_inside_one_locked_range():
         (base, 48), (base + 48, 16), (base + 80, 16)]
 
 
+def test_parts_addresses_given_are_the_ones_joined():
+    from engines.onnxruntime.cuda import contiguous_runs
+
+    a = np.zeros((6, 4), np.float32)
+    parts = [a[0:1], a[1:3], a[5:6]]
+    base = a.ctypes.data
+    assert contiguous_runs(parts, lambda ptr, n: True, [p.ctypes.data for p in parts]) == [(base, 48), (base + 80, 16)]
+
+
+def test_the_range_found_last_is_tried_first_and_forgotten_when_it_goes(monkeypatch):
+    """page_locked's last-range shortcut answers exactly as the scan: not past the range's end, not in a range next to
+    it that is registered on its own, and not after the range is untracked."""
+    from engines.cuda import memory
+
+    monkeypatch.setattr(memory, "_LOCKED", {})
+    monkeypatch.setattr(memory, "_last", (1, 0))
+    assert not memory.page_locked(0, 0)  # nothing is page-locked
+    memory._track(4096, 4096)
+    memory._track(8192, 4096)  # adjacent, its own registration
+    assert memory.page_locked(4096 + 100, 200) and memory._last == (4096, 8192)
+    assert memory.page_locked(4096, 4096)
+    assert not memory.page_locked(8000, 400)  # spans both ranges: neither holds it
+    assert memory.page_locked(8192, 10) and memory._last == (8192, 12288)
+    memory._untrack(8192)
+    assert not memory.page_locked(8192, 10)
+    assert memory.page_locked(5000, 10)
+
+
 def test_device_times_come_from_timing_events_around_each_batch(device, tmp_path):
     """Busy: the fake clock's ops between a batch's start and end events (its H2D and D2H copy, 1 ms each);
     idle: the clock between the previous batch's end and this one's start (advanced by hand: the host late)."""
