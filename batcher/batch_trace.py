@@ -19,8 +19,8 @@ plus the batch's rows, padded rows and, from the context's CUDA timing events, i
 idle time before it (``device_s``, ``idle_s``). Each process writes ``<folder>/batches-<pid>.csv`` when it exits
 (at most :data:`MAX_ROWS` batches, the newest). ``python -m bench.gpubench.trace`` reads them.
 
-Cost when off: one attribute test per step. When on: a dict write per step (the GIL makes them safe from any
-thread).
+Cost when off: a call and a test per step (about ten per batch). When on: a dict write per step (the GIL makes
+them safe from any thread); the rows kept are written only at exit.
 """
 
 from __future__ import annotations

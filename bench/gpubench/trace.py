@@ -6,7 +6,9 @@ per step, how often the device sat idle before a batch and which step of that ba
     python -m bench.gpubench.trace /tmp/tr --out bench/results/gpu_scale/traceN
 
 A batch whose device idle time before it (the context's CUDA timing events) is over ``--idle-us`` is put in one
-class, the first that holds, comparing it (k) with the batch before it on the same context (k-1):
+class, the first that holds, comparing it (k) with the batch launched before it in the same process (k-1: the batch
+before it on its context where each engine process has one context, as in ``bench.gpu_scale`` by default; with
+several the trace cannot tell them apart):
 
 * ``queued in time``: k was queued for the context's thread before that thread began waiting for k-1
   (``put(k) <= collect0(k-1)``): k was launched behind k-1 and still the device waited, so its launch (copies,
