@@ -16,8 +16,12 @@ load generator's step windows can be laid over it):
 =============  ====================================================================================
 
 plus the batch's rows, padded rows and, from the context's CUDA timing events, its device time and the device's
-idle time before it (``device_s``, ``idle_s``). Each process writes ``<folder>/batches-<pid>.csv`` when it exits
-(at most :data:`MAX_ROWS` batches, the newest). ``python -m bench.gpubench.trace`` reads them.
+idle time before it (``device_s``, ``idle_s``). Every batch gets a row, but only a pipelined context (a CUDA-graph
+context: ``pipeline_depth`` 2, a staging thread) has the steps between ``dispatch`` and ``finish``; on a CPU context
+those columns stay empty. Each process of the server writes ``<folder>/batches-<pid>.csv`` when it exits (at most
+:data:`MAX_ROWS` batches, the newest); those of the supervisor and the front ends hold only the header, the engine
+processes' the rows. The folder is made when the process starts: one that cannot be made is logged (WARNING) and
+nothing is traced. ``python -m bench.gpubench.trace`` reads them.
 
 Cost when off: a call and a test per step (about ten per batch). When on: a dict write per step (the GIL makes
 them safe from any thread); the rows kept are written only at exit.
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 import atexit
 import csv
+import logging
 import os
 import time
 from collections import deque
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: the environment variable naming the folder; unset or empty: no tracing
 ENV = "BATCHER_BATCH_TRACE"
@@ -50,17 +57,30 @@ class _Trace:
         atexit.register(self.write)
 
     def write(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"batches-{os.getpid()}.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(self.rows)
+        try:
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(self.rows)
+        except OSError as exc:  # the folder went away meanwhile: said, not raised at exit
+            log.warning("%s: cannot write the batch trace %s: %s", ENV, path, exc)
 
 
-_folder = os.environ.get(ENV, "")
+def _start(folder: str) -> _Trace | None:
+    """The process's trace into ``folder`` (made now), or None when it is unset or cannot be made (logged)."""
+    if not folder:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        log.warning("%s=%s: not tracing batches, the folder cannot be made: %s", ENV, folder, exc)
+        return None
+    return _Trace(folder)
+
+
 #: the process's trace, or None (off)
-TRACE: _Trace | None = _Trace(_folder) if _folder else None
+TRACE: _Trace | None = _start(os.environ.get(ENV, ""))
 
 
 def mark(batch: Any, step: str) -> None:

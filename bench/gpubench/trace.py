@@ -17,8 +17,16 @@ several the trace cannot tell them apart):
   batch, or no staging token, was ready sooner;
 * ``staged late``: k was dispatched in time but staged after the context's thread had begun waiting for k-1.
 
-Columns of each step's row: batches, their mean rows, the device's busy share (its timing events over the
-window), the idle batches' share and each class's, and the medians (p90) of the intervals between steps, ms.
+Columns of each step's row: batches, their mean rows, the device's busy share (the batches' timing events over the
+window), the share of batches the device idled before and the idle ms per batch, the count of each class, the
+medians (p90) of the intervals between steps (ms), of the gaps between the event loop's dispatches and settles
+(``loop_gap``, ms: how long the loop went without a batch's turn), and the batches in the pipeline (dispatched, not
+settled) at each dispatch.
+
+Only a pipelined context's batches have every step (a CUDA-graph context); a trace with none of those is said so.
+``steps.csv`` (written by ``bench.gpu_scale``, no header) has one line per step: label, start, end (the trace's
+clock) and the measured seconds; each step's window is the last ``seconds`` of its load, less a quarter second at
+each end. Without it the whole trace is one step.
 """
 
 from __future__ import annotations
@@ -40,18 +48,22 @@ INTERVALS = (("dispatch>stage", "dispatch", "stage0"), ("stage", "stage0", "stag
              ("post>finish", "post", "finish"))
 
 
-def read_batches(folder: Path) -> list[dict[str, float]]:
-    """Every traced batch of every process (``batches-*.csv``, or ``.csv.gz`` as committed), complete rows only, by
-    launch time."""
-    rows = []
+def read_batches(folder: Path) -> tuple[list[dict[str, float]], int]:
+    """Every traced batch of every process (``batches-*.csv``, or ``.csv.gz`` as committed) with every step, by
+    launch time, and how many rows were read in all. A file that cannot be read is said on stderr and skipped."""
+    rows, seen = [], 0
     for path in sorted([*folder.glob("batches-*.csv"), *folder.glob("batches-*.csv.gz")]):
-        with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
-            for r in csv.DictReader(f):
-                if all(r.get(s) for s in STEPS):
-                    row = {k: float(v) for k, v in r.items() if v not in ("", None)}
-                    row["process"] = path.name.split(".")[0]
-                    rows.append(row)
-    return sorted(rows, key=lambda r: r["launch0"])
+        try:
+            with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
+                for r in csv.DictReader(f):
+                    seen += 1
+                    if all(r.get(s) for s in STEPS):
+                        row = {k: float(v) for k, v in r.items() if v not in ("", None)}
+                        row["process"] = path.name.split(".")[0]
+                        rows.append(row)
+        except (OSError, EOFError, ValueError, csv.Error) as exc:
+            print(f"skipping {path}: {exc}", file=sys.stderr)
+    return sorted(rows, key=lambda r: r["launch0"]), seen
 
 
 def read_steps(folder: Path) -> list[tuple[str, float, float, float]]:
@@ -87,7 +99,7 @@ def summarize(batches: list[dict[str, float]], label: str, start: float, end: fl
     inside = [b for b in batches if start <= b["dispatch"] <= end]
     span = end - start
     row: dict = {"step": label, "seconds": round(span, 2), "batches": len(inside)}
-    if not inside:
+    if not inside or span <= 0:
         return row
     row["mean_rows"] = round(float(np.mean([b["rows"] for b in inside])), 2)
     busy = [b["device_s"] for b in inside if "device_s" in b]
@@ -111,6 +123,8 @@ def summarize(batches: list[dict[str, float]], label: str, start: float, end: fl
         row[name.replace(" ", "_")] = n
     for name, a, b in INTERVALS:
         row[name] = _ms([x[b] - x[a] for x in inside])
+    loop_events = np.sort([b["dispatch"] for b in inside] + [b["finish"] for b in inside])
+    row["loop_gap"] = _ms(list(np.diff(loop_events)))
     # batches dispatched and not finished, seen at each dispatch: the pipeline's depth in batches
     starts = np.sort([b["dispatch"] for b in inside])
     ends = np.sort([b["finish"] for b in inside])
@@ -122,12 +136,17 @@ def summarize(batches: list[dict[str, float]], label: str, start: float, end: fl
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("bench.gpubench.trace", __doc__)
     p.add_argument("folder", type=Path, help="the BATCHER_BATCH_TRACE folder of a run")
-    p.add_argument("--idle-us", type=float, default=50.0, help="device idle before a batch that counts (us)")
+    p.add_argument("--idle-us", type=float, default=50.0,
+                   help="device idle before a batch that counts, us (default: 50)")
     p.add_argument("--out", type=Path, default=None, help="folder for trace_summary.csv/.md")
     args = p.parse_args(argv)
-    batches = read_batches(args.folder)
+    if args.idle_us < 0:
+        p.error("--idle-us must be 0 or more")
+    batches, seen = read_batches(args.folder)
     if not batches:
-        print(f"no traced batches in {args.folder}", file=sys.stderr)
+        print(f"no traced batches in {args.folder}" if not seen else
+              f"{seen} batches traced in {args.folder}, none with every step: none ran on a pipelined context "
+              "(a CUDA-graph context; on a CPU context only dispatch and finish are stamped)", file=sys.stderr)
         return 1
     steps = read_steps(args.folder) or [("all", batches[0]["dispatch"], batches[-1]["dispatch"] + 1.0,
                                          batches[-1]["dispatch"] - batches[0]["dispatch"])]
@@ -136,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         # the measured window: the last `duration` seconds of the step's load (its last batch ends the load), less
         # a quarter second at each end
         last = max((b["dispatch"] for b in batches if start <= b["dispatch"] <= end), default=end)
-        rows.append(summarize(batches, label, max(start, last - duration + 0.25), last - 0.25, args.idle_us / 1e6))
+        lo, hi = max(start, last - duration + 0.25), last - 0.25
+        if hi <= lo:  # a step shorter than half a second: all of it
+            lo, hi = start, last
+        rows.append(summarize(batches, label, lo, hi, args.idle_us / 1e6))
     table = markdown_table(rows)
     print(table)
     if args.out is not None:

@@ -80,7 +80,8 @@ async def test_every_step_of_every_batch_is_stamped_in_order(traced, tmp_path):
         assert float(w["device_s"]) == 0.001
     assert not traced.open  # every batch closed
 
-    batches = trace_summary.read_batches(tmp_path)
+    batches, seen = trace_summary.read_batches(tmp_path)
+    assert seen == len(batches) == len(written)
     row = trace_summary.summarize(batches, "all", batches[0]["dispatch"], batches[-1]["dispatch"], 50e-6)
     assert row["batches"] == len(written)
     assert row["mean_rows"] == pytest.approx(40 / len(written), abs=0.01)
@@ -101,3 +102,30 @@ def test_classes_of_a_device_wait():
     assert trace_summary.classify(prev, {"dispatch": 0.5, "put": 1.5}) == "queued in time"
     assert trace_summary.classify(prev, {"dispatch": 1.5, "put": 2.5}) == "dispatched late"
     assert trace_summary.classify(prev, {"dispatch": 0.5, "put": 2.5}) == "staged late"
+
+
+def test_a_trace_without_a_pipelined_context_is_said_so(tmp_path, capsys):
+    """A CPU context's batches have only dispatch and finish: counted, not summarized, and the reason given; a file
+    that is not a trace is skipped with its name."""
+    with open(tmp_path / "batches-1.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, batch_trace.COLUMNS)
+        w.writeheader()
+        w.writerows([{"batch": i, "dispatch": i, "finish": i + 0.5, "rows": 1, "padded_rows": 0} for i in range(3)])
+    (tmp_path / "batches-2.csv.gz").write_bytes(b"not gzip")
+    assert trace_summary.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "skipping" in err and "batches-2.csv.gz" in err
+    assert "3 batches traced" in err and "none with every step" in err
+    assert trace_summary.main([str(tmp_path / "absent")]) == 1
+    assert "no traced batches" in capsys.readouterr().err
+
+
+def test_a_folder_that_cannot_be_made_turns_the_trace_off(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with caplog.at_level("WARNING", logger="batcher.batch_trace"):
+        assert batch_trace._start(str(blocker / "trace")) is None
+    assert "not tracing batches" in caplog.text
+    assert batch_trace._start("") is None
+    assert batch_trace._start(str(tmp_path / "made")).folder == str(tmp_path / "made")
+    assert (tmp_path / "made").is_dir()
