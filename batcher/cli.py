@@ -204,10 +204,10 @@ def _serve(config, args) -> int:
     from aiohttp import web
 
     from .app import create_app
-    from .supervisor import freeze_on_startup, new_event_loop, set_device_timing, set_switch_interval
+    from .supervisor import freeze_on_startup, new_event_loop, set_device_options, set_switch_interval
 
     set_switch_interval(server.gil_switch_interval_us)
-    set_device_timing(server.device_timing)
+    set_device_options(server)
     try:
         sock = bind_socket(server.host, server.port)
     except OSError as exc:

@@ -129,6 +129,10 @@ class ServerConfig(_Strict):
     #: ``batcher_device_busy_seconds_total`` and ``batcher_device_idle_seconds`` (batcher.metrics); two event
     #: records and two elapsed-time reads per batch (``bench.gpu_scale`` part a measures batches with it off and on)
     device_timing: bool = True
+    #: GPU contexts (CUDA graphs) wait for each batch by sleeping (``cudaEventBlockingSync``) instead of spinning a
+    #: core until it ends, CUDA's default (``bench.gpu_scale --cuda-blocking-sync`` measures both; README "Many
+    #: front ends, shared memory, two GPUs")
+    cuda_blocking_sync: bool = False
     #: multi-process mode: front ends and engine processes keep freed memory for their next large request bodies
     #: (glibc's allocator: no fresh ``mmap`` per body, no trim after it; ``batcher.supervisor.keep_heap``). Measured
     #: by ``python -m bench.body_cpu`` on 2 cores: front-end CPU per 602 KB binary request 0.69 of what it is

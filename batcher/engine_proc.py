@@ -430,7 +430,7 @@ async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devi
 def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready: Any) -> None:
     """The engine process (``multiprocessing`` spawn target): pins its device first (``CUDA_VISIBLE_DEVICES``
     lists it first, :class:`batcher.topology.DeviceOrder`)."""
-    from .supervisor import child_setup, run, set_device_timing, set_switch_interval
+    from .supervisor import child_setup, run, set_device_options, set_switch_interval
 
     gpus = [d for d in engine_devices(config) if d is not None]
     devices = DeviceOrder(engine.device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -438,5 +438,5 @@ def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready
         os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
     child_setup(f"engine {engine.name}", log_level, config.server.keep_heap)
     set_switch_interval(config.server.gil_switch_interval_us)
-    set_device_timing(config.server.device_timing)
+    set_device_options(config.server)
     sys.exit(run(run_engine(config, engine, path, ready, devices), config.server.event_loop))

@@ -175,17 +175,30 @@ class SharedMemoryRegistry:
         Raises:
             InvalidInput: a region that is not registered, or a tensor outside its region.
         """
-        refs = [(f"input '{n}'", t.ref) for n, t in request.inputs.items() if isinstance(t, ShmInput)]
-        refs += [(f"output '{o.name}'", o.shm) for o in request.outputs or () if o.shm is not None]
         regions: dict[str, Region] = {}
-        for where, ref in refs:
-            region = self._regions.get(ref.region)
-            if region is None:
-                off = "" if self.config.system or self.config.cuda else " (shared memory is disabled: server.shared_memory)"
-                raise InvalidInput(f"{where}: shared memory region '{ref.region}' is not registered{off}")
-            region.check(ref, where)
-            regions[ref.region] = region
+        get = self._regions.get
+        for name, t in request.inputs.items():  # per request: the checks inline, the messages only for a refusal
+            if type(t) is ShmInput:
+                ref = t.ref
+                region = get(ref.region)
+                if region is None or ref.offset + ref.byte_size > region.byte_size:
+                    self._refuse(f"input '{name}'", ref, region)
+                regions[ref.region] = region
+        for o in request.outputs or ():
+            ref = o.shm
+            if ref is not None:
+                region = get(ref.region)
+                if region is None or ref.offset + ref.byte_size > region.byte_size:
+                    self._refuse(f"output '{o.name}'", ref, region)
+                regions[ref.region] = region
         return Hold(self, request, regions)
+
+    def _refuse(self, where: str, ref: ShmRef, region: Region | None) -> None:
+        """Raises InvalidInput: ``ref``'s region is not registered (``region`` None), or ``ref`` runs past it."""
+        if region is None:
+            off = "" if self.config.system or self.config.cuda else " (shared memory is disabled: server.shared_memory)"
+            raise InvalidInput(f"{where}: shared memory region '{ref.region}' is not registered{off}")
+        region.check(ref, where)
 
     def _release(self, regions: list[Region]) -> None:
         for region in regions:
@@ -217,8 +230,12 @@ class Hold:
         self._request = request
         self._regions = regions
         self._busy: asyncio.Future | None = None
+        self._blocking = False  # a region read and written in worker threads (CUDA)
         for region in regions.values():
             region.users += 1
+            self._blocking = self._blocking or region.blocking
+        #: whether the request placed an output in shared memory (:meth:`write` has work)
+        self.writes = any(o.shm is not None for o in request.outputs) if request.outputs else False
 
     async def __aenter__(self) -> Hold:
         return self
@@ -226,17 +243,13 @@ class Hold:
     async def __aexit__(self, *exc: object) -> None:
         self.release()
 
-    @property
-    def writes(self) -> bool:
-        """Whether the request placed an output in shared memory (:meth:`write` has work)."""
-        return any(o.shm is not None for o in self._request.outputs or ())
-
     def release(self) -> None:
         """Give the regions back (once; after a CUDA copy still running for the request, when it ends)."""
+        if not self._regions:
+            return
         regions = list(self._regions.values())
         self._regions = {}
-        if not regions:
-            return
+        self._blocking = False
         if self._busy is not None and not self._busy.done():
             self._busy.add_done_callback(lambda _: self._registry._release(regions))
         else:
@@ -253,7 +266,7 @@ class Hold:
     def immediate(self) -> bool:
         """Whether every region it holds is read and written on the event loop, without waiting (system regions:
         :meth:`read_now`, :meth:`write_now`); CUDA regions copy in worker threads."""
-        return not any(region.blocking for region in self._regions.values())
+        return not self._blocking
 
     def read_now(self) -> dict[str, np.ndarray]:
         """:meth:`inputs` of an :attr:`immediate` hold, at once (system reads are views). Raises as :meth:`inputs`;
@@ -265,9 +278,10 @@ class Hold:
             return inputs  # type: ignore[return-value]
         out = dict(inputs)
         loop = asyncio.get_running_loop()
+        regions = self._regions
         for name, t in inputs.items():
-            if isinstance(t, ShmInput):
-                out[name] = self._regions[t.ref.region].read(t.ref, t.datatype, t.shape, f"input '{name}'", loop)
+            if type(t) is ShmInput:
+                out[name] = regions[t.ref.region].read(t.ref, t.datatype, t.shape, f"input '{name}'", loop)
         return out
 
     def _placements(self, outputs: dict[str, np.ndarray]) -> list[tuple[Region, int, np.ndarray]]:

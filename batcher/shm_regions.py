@@ -53,6 +53,10 @@ def tensor_bytes(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
 
+#: the datatypes whose bytes are the array as they lie (no BYTES parsing, no BOOL check): :meth:`SystemRegion.read`
+_PLAIN_DTYPES = {name: dt for name, dt in NUMPY_DTYPES.items() if name not in ("BYTES", "BOOL")}
+
+
 def tensor_from_bytes(raw: np.ndarray, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
     """An input of ``datatype`` and ``shape`` over ``raw`` (``uint8``, exactly its bytes): a view, except BYTES
     (parsed into an object array) and unaligned data (copied).
@@ -162,6 +166,11 @@ class SystemRegion(Region):
             del view  # no export may outlive this call: close() unmaps
 
     def _view(self, offset: int, nbytes: int, loop: asyncio.AbstractEventLoop | None = None) -> np.ndarray:
+        self._check_mapped(loop)
+        return np.frombuffer(self._map, np.uint8, nbytes, self._base + offset)
+
+    def _check_mapped(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Raises InvalidInput: unregistered, or the segment is now smaller than the region."""
         if self._map is None:
             raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")
         # a segment the client truncated after registering: touching the mapping past its new end would kill the
@@ -179,7 +188,6 @@ class SystemRegion(Region):
             if loop is not None:
                 self._size_checked = True
                 loop.call_soon(self._recheck)
-        return np.frombuffer(self._map, np.uint8, nbytes, self._base + offset)
 
     def _recheck(self) -> None:
         self._size_checked = False
@@ -188,7 +196,17 @@ class SystemRegion(Region):
              loop: asyncio.AbstractEventLoop | None = None) -> np.ndarray:
         """The tensor at ``ref``, a read-only view; ``loop``: called on that event loop (the size check is shared
         by the reads of one iteration). Raises InvalidInput: unregistered, truncated, or not parseable."""
-        arr = tensor_from_bytes(self._view(ref.offset, ref.byte_size, loop), datatype, shape, where)
+        dtype = _PLAIN_DTYPES.get(datatype)
+        if dtype is not None and (self._base + ref.offset) % dtype.alignment == 0:
+            # a numeric tensor at an aligned offset (every request but BYTES, BOOL and odd offsets): the typed view
+            # at once, 0.8 us against 1.1 through bytes (the codec checked that byte_size is the shape's size, and
+            # :meth:`Region.check` that it lies inside the region). np.frombuffer holds an export of the mapping
+            # while the array lives (np.ndarray(buffer=...) does not: an unregister could then unmap under it)
+            self._check_mapped(loop)
+            arr = np.frombuffer(self._map, dtype, ref.byte_size // dtype.itemsize, self._base + ref.offset
+                                ).reshape(shape)
+        else:
+            arr = tensor_from_bytes(self._view(ref.offset, ref.byte_size, loop), datatype, shape, where)
         arr.flags.writeable = False  # a view of the client's memory: the engine reads it, nobody writes it
         return arr
 

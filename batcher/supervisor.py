@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cli import bind_socket
-from .config import Config
+from .config import Config, ServerConfig
 from .errors import ConfigError
 from .lograte import EveryFewSeconds
 from .mps import MpsDaemon
@@ -106,12 +106,14 @@ class AcceptErrors:
                         "connections open now reach the process's file limit", exc.strerror or exc, suppressed)
 
 
-def set_device_timing(on: bool) -> None:
-    """``server.device_timing``: whether the contexts this process creates from now on record CUDA timing events
-    around each batch (:attr:`engines.base.ExecutionContext.device_timing`)."""
+def set_device_options(server: ServerConfig) -> None:
+    """``server.device_timing`` and ``server.cuda_blocking_sync`` for the contexts this process creates from now
+    on: whether they record CUDA timing events around each batch, and whether they sleep or spin while a batch
+    runs (:attr:`engines.base.ExecutionContext.device_timing`, :attr:`~engines.base.ExecutionContext.blocking_sync`)."""
     from engines.base import ExecutionContext
 
-    ExecutionContext.device_timing = on
+    ExecutionContext.device_timing = server.device_timing
+    ExecutionContext.blocking_sync = server.cuda_blocking_sync
 
 
 def set_switch_interval(us: int | None) -> None:

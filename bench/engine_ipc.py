@@ -20,6 +20,7 @@ It prints, and saves as CSV (``--out``):
   once.
 
     python -m bench.engine_ipc                                  # trivial model, CPU, 2 drivers x 64
+    python -m bench.engine_ipc --transport shm                  # the inputs in system shared memory
     python -m bench.engine_ipc --model resnet18 --kind gpu --drivers 8 --concurrency 64
 
 The request is one row of the model's input (FP32 zeros; the trivial model's ``[1, 4]`` rides inline, resnet18's
@@ -58,12 +59,16 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, concurrency: int,
-            warmup_s: float, duration_s: float, result) -> None:
+            warmup_s: float, duration_s: float, result, transport: str = "area") -> None:
     """One driver process: one connection, ``concurrency`` closed-loop requests; sends (answered, errors) of the
-    measured window."""
+    measured window. ``transport`` shm: every request's input names one system shared-memory segment of this
+    driver's (registered with the engine as a client's would be, Triton's extension), as ``bench.gpu_scale``'s
+    part m does."""
+    from multiprocessing.shared_memory import SharedMemory
+
     from batcher.config import parse_config
     from batcher.ipc import RESULT
-    from batcher.protocol import InferRequest
+    from batcher.protocol import InferRequest, ShmInput, ShmRef
     from batcher.remote import EngineLink
     from batcher.topology import engine_slots, engines
 
@@ -71,10 +76,18 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
     cfg = next(m for m in config.models if m.name == model)
     engine = engines(config)[0]
     x = np.zeros(shape, np.float32)
+    segment = None
+    if transport == "shm":
+        segment = SharedMemory(name=f"engine-ipc-{os.getpid()}", create=True, size=x.nbytes)
+        region = f"engine-ipc-{os.getpid()}"
+        x = ShmInput("FP32", shape, ShmRef(region, 0, int(np.prod(shape)) * 4))
 
     async def main():
         link = EngineLink(engine, path, engine_slots(config, engine))
         await link.connect()
+        if segment is not None:
+            await link.call("shm_register", "system", region, key="/" + segment.name, offset=0,
+                            byte_size=segment.size)
         loop = asyncio.get_running_loop()
         start = loop.time() + warmup_s
         end = start + duration_s
@@ -94,10 +107,17 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
                     counts[0 if msg[0] == RESULT else 1] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
+        if segment is not None:
+            await link.call("shm_unregister", "system", region)
         await link.close()
         return counts
 
-    result.send(asyncio.run(main()))
+    try:
+        result.send(asyncio.run(main()))
+    finally:
+        if segment is not None:
+            segment.close()
+            segment.unlink()
 
 
 def _engine_count(path: str, config_data: dict, model: str, expect: int, wait_s: float = 10.0) -> int:
@@ -145,7 +165,9 @@ def run(args) -> dict:
                                   "default_queue_policy": {"max_queue_size": 8192}}}
     # every outstanding request's input in the shared area (its first half), none riding inline
     buffer_mb = args.buffer_mb or 2 * -(-args.concurrency * int(np.prod(shape)) * 4 // (1 << 20)) + 16
-    data = {"server": {"frontends": 1, "event_loop": args.event_loop, "frontend_buffer_mb": buffer_mb},
+    data = {"server": {"frontends": 1, "event_loop": args.event_loop, "frontend_buffer_mb": buffer_mb,
+                       "shared_memory": {"system": args.transport == "shm"},
+                       "cuda_blocking_sync": args.cuda_blocking_sync},
             "models": [model]}
     config = parse_config(data)
     engine = engines(config)[0]
@@ -176,7 +198,7 @@ def run(args) -> dict:
         for _ in range(args.drivers):
             pr, pw = ctx.Pipe(duplex=False)
             d = ctx.Process(target=_driver, args=(sock, data, args.model, inp, shape, args.concurrency, args.warmup,
-                                                  args.duration, pw), daemon=True)
+                                                  args.duration, pw, args.transport), daemon=True)
             d.start()
             pipes.append(pr)
             drivers.append(d)
@@ -198,7 +220,8 @@ def run(args) -> dict:
     total = sum(cpu1.get(t, 0.0) - cpu0.get(t, 0.0) for t in cpu1)
     loop_cpu = cpu1.get(main_tid, 0.0) - cpu0.get(main_tid, 0.0)
     span = t1 - t0
-    return {"model": args.model, "kind": args.kind, "event_loop": args.event_loop, "drivers": args.drivers,
+    return {"model": args.model, "kind": args.kind, "transport": args.transport, "event_loop": args.event_loop,
+            "cuda_blocking_sync": args.cuda_blocking_sync, "drivers": args.drivers,
             "concurrency": args.concurrency,
             "req_per_s": round(answered / args.duration, 1), "errors": errors,
             "answered_total": sum(c[2] for c in counts), "engine_counted": counted,
@@ -216,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-us", type=int, default=200)
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="the engine's server.event_loop (the drivers run asyncio)")
+    p.add_argument("--transport", choices=["area", "shm"], default="area",
+                   help="area: inputs in the connection's shared area (or inline), as from a front end's HTTP body; "
+                        "shm: in a system shared-memory segment each driver registered (Triton's extension)")
+    p.add_argument("--cuda-blocking-sync", action="store_true",
+                   help="server.cuda_blocking_sync: GPU contexts sleep while a batch runs instead of spinning")
     p.add_argument("--drivers", type=int, default=2)
     p.add_argument("--buffer-mb", type=int, default=None,
                    help="server.frontend_buffer_mb (default: room for every outstanding request's input)")

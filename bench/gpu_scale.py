@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-cpus", type=cpu_list, default=None,
                    help="pin the engine processes' threads to these CPUs (0-2,5), the front ends and the load "
                         "generator to the others (default: no pinning)")
+    p.add_argument("--cuda-blocking-sync", action="store_true",
+                   help="server.cuda_blocking_sync in every step, and in the raw engine's contexts (default: off)")
     p.add_argument("--engine-nice", type=int, default=None, help="the engine threads' nice value (default: as is)")
     add_load_arguments(p, clients=512, client_processes=6, delay_us=2000)  # --clients: at saturation, per GPU in g
     args = p.parse_args(argv)
@@ -119,7 +121,12 @@ def run_parts(parts: set[str], args) -> None:
     from bench.gpubench.raw import part_a
 
     t0 = time.perf_counter()
-    say(f"== (r) raw engine: {args.model} {args.precision}")
+    if args.cuda_blocking_sync:
+        from engines.base import ExecutionContext
+
+        ExecutionContext.blocking_sync = True
+    say(f"== (r) raw engine: {args.model} {args.precision}"
+        f"{' (cuda_blocking_sync)' if args.cuda_blocking_sync else ''}")
     raw = part_a([args.model], [args.precision], args.device, args.raw_seconds, args.out)
     if args.gil_switch_us == "best" and "s" not in parts:
         args.gil_switch_us = None  # the server's default

@@ -174,6 +174,11 @@ class ExecutionContext(abc.ABC):
     #: :meth:`device_times`; read when a context is created (``server.device_timing`` sets it for a process)
     device_timing: bool = True
 
+    #: whether a GPU context waits for its batches by sleeping (``cudaEventBlockingSync`` on the event it waits
+    #: for) instead of spinning a core until the batch ends (CUDA's default wait with more cores than active
+    #: contexts); read when a context is created (``server.cuda_blocking_sync`` sets it for a process)
+    blocking_sync: bool = False
+
     #: batches this context takes on its device at once: with 2 or more, :meth:`launch` queues a batch and returns
     #: and :meth:`collect` waits for it, so the caller can queue the next batch behind the running one and the
     #: device never waits for the host between batches (:class:`batcher.executor.DevicePipeline`). 1 (the

@@ -621,6 +621,7 @@ def make_cudart(gpu: FakeGPU) -> ModuleType:
     m.cudaStreamNonBlocking = 1
     m.cudaEventDefault = 0
     m.cudaEventDisableTiming = 2
+    m.cudaEventBlockingSync = 1
     m.cudaHostRegisterDefault = 0
     m.cudaHostRegisterReadOnly = 8
     m.cudaHostRegisterPortable = 1

@@ -47,6 +47,8 @@ def server_config(models: list[dict], frontends: int, args, shm: bool = False,
               "frontend_buffer_mb": args.buffer_mb, "engine_processes": engine_processes, "cuda_mps": cuda_mps}
     if args.gil_switch_us is not None:
         server["gil_switch_interval_us"] = args.gil_switch_us
+    if getattr(args, "cuda_blocking_sync", False):
+        server["cuda_blocking_sync"] = True
     if shm:
         server["shared_memory"] = {"system": True}
     return {"server": server, "models": models}

@@ -40,6 +40,7 @@ CUDART_API: dict[str, tuple[str, ...]] = {
         "cudaStreamDestroy",
         "cudaEventDefault",
         "cudaEventDisableTiming",
+        "cudaEventBlockingSync",
         "cudaEventCreateWithFlags",
         "cudaEventRecord",
         "cudaEventSynchronize",

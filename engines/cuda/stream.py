@@ -65,14 +65,19 @@ class Event(_Handle):
     Args:
         timing: record timestamps (``cudaEventDefault``); ``False``: ``cudaEventDisableTiming``, cheaper, for
             synchronization only (:meth:`elapsed_ms` then raises).
+        blocking: ``cudaEventBlockingSync``: :meth:`synchronize` sleeps until the event completes instead of
+            spinning on a core (CUDA's default on a machine with more cores than active contexts). The H200 measure
+            of what that changes: ``server.cuda_blocking_sync``.
 
     Raises (constructor):
         CudaError: CUDA refused or cuda-python missing.
     """
 
-    def __init__(self, timing: bool = True) -> None:
+    def __init__(self, timing: bool = True, blocking: bool = False) -> None:
         cudart = runtime()
-        flags = cudart.cudaEventDefault if timing else cudart.cudaEventDisableTiming
+        flags = int(cudart.cudaEventDefault if timing else cudart.cudaEventDisableTiming)
+        if blocking:
+            flags |= int(cudart.cudaEventBlockingSync)
         self.handle: Any = check(cudart.cudaEventCreateWithFlags(flags), f"cudaEventCreateWithFlags({int(flags)})")
 
     def record(self, stream: Stream) -> None:

@@ -131,7 +131,8 @@ class CudaGraphContext(CudaContext):
                     for spare in self._out_spare:
                         spare[name] = PinnedBuffer(nbytes)
             for _ in range(self.pipeline_depth):
-                self._events.append(Event(timing=False))  # one by one: _free destroys those made
+                # one by one: _free destroys those made
+                self._events.append(Event(timing=False, blocking=self.blocking_sync))
             for _ in range(self.pipeline_depth + 1 if self.device_timing else 0):
                 start = Event()
                 try:

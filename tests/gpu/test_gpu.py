@@ -99,6 +99,33 @@ def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_re
         eng.release()
 
 
+def test_blocking_sync_waits_without_spinning_and_matches_cpu(monkeypatch, cpu_reference):
+    """``server.cuda_blocking_sync``: the context's thread sleeps while its batch runs (``cudaEventBlockingSync``),
+    so its CPU time over the waits is a small part of their wall time (spinning, it is about all of it), and the
+    outputs are those of the CPU."""
+    monkeypatch.setattr(CudaGraphContext, "blocking_sync", True)
+    want = cpu_reference("resnet18")
+    eng = OnnxRuntimeEngine(resolve("zoo:resnet18"), device="cuda", batch_sizes=(8, 32), gpu_execution="graphs")
+    ctx = eng.create_context()
+    try:
+        x = ctx.host_buffer("input", (32, 3, 224, 224), np.float32)  # pinned: no host copy in the CPU time
+        x[...] = np.concatenate([images(8)] * 4)
+        ctx.execute({"input": x})  # warm
+
+        def waits():  # on the context's own thread, whose CPU time is the wait's
+            wall, cpu = time.perf_counter(), time.thread_time()
+            for _ in range(30):
+                out = ctx.collect(ctx.launch({"input": x}))["logits"]
+            return time.perf_counter() - wall, time.thread_time() - cpu, out
+
+        wall, cpu, out = ctx._thread.call(waits)
+        assert relative(out[:8], want) < TF32 and relative(out[24:], want) < TF32
+        assert cpu < 0.5 * wall, (cpu, wall)
+    finally:
+        ctx.release()
+        eng.release()
+
+
 def test_device_times_of_a_batch_queued_behind_another_show_no_idle_gap():
     """CUDA timing events around each batch (engines.base.DeviceTimes): a batch launched behind the running one
     starts as it ends (idle 0), one sent after a host pause of 20 ms shows that pause; busy is the batch's own

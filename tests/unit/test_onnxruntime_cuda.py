@@ -720,3 +720,18 @@ def test_device_timing_off_records_no_timing_events(device, tmp_path, monkeypatc
     assert device.gpu.calls["cudaEventRecord"] - records == 1  # only the batch's own end event
     assert ctx.device_times() is None
     ctx.release()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_blocking_sync_sets_the_wait_events_flag(device, tmp_path, monkeypatch, blocking):
+    monkeypatch.setattr(CudaGraphContext, "blocking_sync", blocking)
+    before = set(device.gpu.event_flags)
+    ctx = _engine(tmp_path).create_context()
+    flags = [f for e, f in device.gpu.event_flags.items() if e not in before]
+    waits = [f for f in flags if f & 2]  # cudaEventDisableTiming: the events waited for; timing pairs have 0 or 1
+    assert len(waits) == ctx.pipeline_depth
+    assert waits == [3 if blocking else 2] * ctx.pipeline_depth  # cudaEventBlockingSync = 1
+    assert all(f == 0 for f in flags if not f & 2)  # the timing events never block
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_allclose(ctx.execute({"x": x})["y"], _want(x), rtol=1e-6)  # waited on the flagged event
+    ctx.release()
