@@ -398,8 +398,13 @@ class DevicePipeline:
         return True
 
 
-#: batches measured before a context may run batches inline, and the weight of the newest in their average.
+#: batches measured before a context may run batches inline, and the weight of the newest in their averages.
 INLINE_AFTER, INLINE_EWMA_ALPHA = 16, 0.1
+#: a context whose batches average at most PROBE_FACTOR times the inline bound on its thread runs one batch in
+#: PROBE_EVERY inline, to measure what it costs there: on the thread its CPU time also holds the GIL's hand-offs
+#: to and from a busy event loop (``bench.peers``' trivial model, 2 cores: 75-125 us a batch of 8 on the thread,
+#: most of it the hand-off, so the 100 us bound kept it off the event loop under load; README "Serving modes")
+PROBE_FACTOR, PROBE_EVERY = 4.0, 16
 
 
 class ThreadExecutor:
@@ -413,11 +418,14 @@ class ThreadExecutor:
 
     Args:
         inline_s: a context whose batches take at most this much CPU time on average (seconds, stack + execute +
-            split in the thread that runs them; a moving average over the batches since the first
-            :data:`INLINE_AFTER`) runs its next batches on the event loop instead: handing a batch to the thread and
-            its result back costs more than that (``server.inline_execution_us``; measured in the README's
-            "Serving modes"). One batch ten times slower (a new input shape) lifts the average over the bound and
-            sends the next ones back to the thread. 0: never.
+            split; moving averages, one of the batches run on the event loop and one of those run on the thread,
+            after the first :data:`INLINE_AFTER`) runs its next batches on the event loop instead: handing a batch
+            to the thread and its result back costs more than that (``server.inline_execution_us``; measured in
+            the README's "Serving modes"). Once a batch has run inline, the inline average decides; before that,
+            the thread's. Measured on the thread a batch also pays the GIL's hand-offs, so a context whose thread
+            average is within :data:`PROBE_FACTOR` of the bound runs one batch in :data:`PROBE_EVERY` inline, to
+            learn its inline cost. One batch ten times slower (a new input shape) lifts the inline average over the
+            bound and sends the next ones back to the thread. 0: never.
     """
 
     def __init__(self, context: ExecutionContext, name: str, inline_s: float = 0.0) -> None:
@@ -429,37 +437,47 @@ class ThreadExecutor:
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-stage") if self.depth > 1 else None
         self._device = DevicePipeline(context, self._pool) if self.depth > 1 else None
         self._inline_s = inline_s if self._own and self.depth == 1 else 0.0
-        self._measured_n = 0
-        self._average_s = 0.0  # moving average of the batches' times
+        # moving averages of the batches' CPU seconds, [n, average]: run on the thread, and run inline
+        self._on_thread = [0, 0.0]
+        self._on_loop = [0, 0.0]
+        self._since_probe = 0  # batches run on the thread since the last one run inline
 
     @property
     def inline(self) -> bool:
-        """Whether the next batch runs on the event loop."""
-        return self._measured_n >= INLINE_AFTER and self._average_s <= self._inline_s
+        """Whether the next batch runs on the event loop (besides the probes of :data:`PROBE_EVERY`)."""
+        if self._on_thread[0] + self._on_loop[0] < INLINE_AFTER:
+            return False
+        return (self._on_loop if self._on_loop[0] else self._on_thread)[1] <= self._inline_s
+
+    def _probe(self) -> bool:
+        """Whether this batch, due on the thread, runs inline once to measure its cost there."""
+        return (self._since_probe >= PROBE_EVERY and self._on_thread[0] >= INLINE_AFTER
+                and self._on_thread[1] <= PROBE_FACTOR * self._inline_s)
 
     def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         if not self._inline_s:
             return loop.run_in_executor(self._pool, fn, self.context, *args)
-        if not self.inline:
-            return loop.run_in_executor(self._pool, self._timed, fn, args)
+        if not self.inline and not self._probe():
+            self._since_probe += 1
+            return loop.run_in_executor(self._pool, self._timed, fn, args, self._on_thread)
+        self._since_probe = 0
         fut = loop.create_future()
         try:
-            fut.set_result(self._timed(fn, args))
+            fut.set_result(self._timed(fn, args, self._on_loop))
         except BaseException as exc:  # execute_batch never raises; anything else fails its batch as usual
             fut.set_exception(exc)
         return fut
 
-    def _timed(self, fn: Callable[..., BatchResult], args: tuple) -> BatchResult:
+    def _timed(self, fn: Callable[..., BatchResult], args: tuple, average: list) -> BatchResult:
         """Run one batch and take its CPU time in the running thread (not its wall time, which waiting for the GIL
-        behind a busy event loop would inflate)."""
+        behind a busy event loop would inflate) into ``average`` ([n, seconds])."""
         t0 = time.thread_time()
         result = fn(self.context, *args)
         took = time.thread_time() - t0
         if result.rows:  # a batch that ran (not dropped before executing)
-            self._measured_n += 1
-            self._average_s = took if self._measured_n == 1 else (
-                self._average_s + INLINE_EWMA_ALPHA * (took - self._average_s))
+            average[0] += 1
+            average[1] = took if average[0] == 1 else average[1] + INLINE_EWMA_ALPHA * (took - average[1])
         return result
 
     def pipeline(self, args: tuple, slot: int, done: Callable[[asyncio.Future], None] | None = None

@@ -199,9 +199,10 @@ class SystemRegion(Region):
         dtype = _PLAIN_DTYPES.get(datatype)
         if dtype is not None and (self._base + ref.offset) % dtype.alignment == 0:
             # a numeric tensor at an aligned offset (every request but BYTES, BOOL and odd offsets): the typed view
-            # at once, 0.8 us against 1.1 through bytes (the codec checked that byte_size is the shape's size, and
-            # :meth:`Region.check` that it lies inside the region). np.frombuffer holds an export of the mapping
-            # while the array lives (np.ndarray(buffer=...) does not: an unregister could then unmap under it)
+            # at once, fewer numpy calls than through bytes (the codec checked that byte_size is the shape's size,
+            # and :meth:`Region.check` that it lies inside the region). np.frombuffer holds an export of the
+            # mapping while the array lives (np.ndarray(buffer=...) does not: an unregister could unmap under it,
+            # tests/unit/test_shm_registry.py)
             self._check_mapped(loop)
             arr = np.frombuffer(self._map, dtype, ref.byte_size // dtype.itemsize, self._base + ref.offset
                                 ).reshape(shape)

@@ -210,7 +210,9 @@ def pytriton_python(given: str | None) -> str | None:
 def ours_config(model_path: Path, name: str, args: argparse.Namespace) -> dict:
     return {
         "server": {"host": "127.0.0.1", "log_level": "warning", "frontends": args.ours_frontends,
-                   "event_loop": args.ours_event_loop},
+                   "event_loop": args.ours_event_loop,
+                   **({} if getattr(args, "ours_inline_execution_us", None) is None
+                      else {"inline_execution_us": args.ours_inline_execution_us})},
         "models": [{
             "name": name, "path": str(model_path), "backend": "onnxruntime",
             "intra_op_threads": args.intra_op_threads, "max_batch_size": args.max_batch_size,
@@ -688,6 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ours: server.frontends (0: single-process mode, the README's choice on 2 cores)")
     g.add_argument("--ours-event-loop", choices=["asyncio", "uvloop"], default="uvloop",
                    help="ours: server.event_loop (default: uvloop, the README's choice on 2 cores)")
+    g.add_argument("--ours-inline-execution-us", type=int, default=None,
+                   help="ours: server.inline_execution_us (default: the server's, 100)")
     g.add_argument("--pytriton-python", default=None,
                    help=f"Python with nvidia-pytriton and onnxruntime (default: this one if it has pytriton, else "
                         f"{DEFAULT_PYTRITON_VENV})")

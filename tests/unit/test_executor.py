@@ -14,7 +14,7 @@ from fakes import FakeContext, rows
 
 from batcher.batching import Pending, shape_key
 from batcher.errors import ExecutionFailed, InvalidInput
-from batcher.executor import INLINE_AFTER, BatchResult, ThreadExecutor, execute_batch
+from batcher.executor import INLINE_AFTER, PROBE_EVERY, PROBE_FACTOR, BatchResult, ThreadExecutor, execute_batch
 from engines.base import EngineError, EngineInputError
 
 
@@ -145,3 +145,47 @@ def test_onnxruntime_failing_on_an_input_with_a_dimension_of_size_0_is_the_input
                           "Invalid input shape: {0,32}")
     other = run_failure(exc, {"x": np.ones((1, 3, 32, 32), np.float32)})
     assert type(other) is EngineError and str(other) == "onnxruntime: INVALID_ARGUMENT : Invalid input shape: {0,32}"
+
+
+def dearer_on_thread(ctx, threads: list[int], loop_thread: int, inline_s: float, thread_s: float) -> BatchResult:
+    """A batch of ``inline_s`` CPU on the event loop and ``thread_s`` on the context's thread (where its CPU time also
+    holds the GIL's hand-offs to and from a busy event loop)."""
+    return batch(ctx, threads, inline_s if threading.get_ident() == loop_thread else thread_s)
+
+
+async def test_a_batch_dearer_on_its_thread_is_probed_inline_and_moves_there_when_cheap_there():
+    ex = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    for _ in range(INLINE_AFTER):  # 300 us on the thread: over the bound, within PROBE_FACTOR of it
+        await ex.submit(dearer_on_thread, threads, loop_thread, 20e-6, 300e-6)
+    assert loop_thread not in threads and not ex.inline
+    await ex.submit(dearer_on_thread, threads, loop_thread, 20e-6, 300e-6)
+    assert threads[-1] == loop_thread  # the probe: measured inline at 20 us...
+    assert ex.inline
+    for _ in range(3):
+        await ex.submit(dearer_on_thread, threads, loop_thread, 20e-6, 300e-6)
+    assert threads[-3:] == [loop_thread] * 3  # ...so the next batches stay on the event loop
+    ex.close()
+
+
+async def test_a_batch_dear_inline_too_goes_back_to_the_thread_and_one_far_over_the_bound_is_never_probed():
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    dear = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    for _ in range(INLINE_AFTER + 1):  # 300 us on the thread and 2 ms inline
+        await dear.submit(dearer_on_thread, threads, loop_thread, 2e-3, 300e-6)
+    assert threads[-1] == loop_thread and not dear.inline  # probed once: over the bound inline too
+    for _ in range(PROBE_EVERY):
+        await dear.submit(dearer_on_thread, threads, loop_thread, 2e-3, 300e-6)
+    assert loop_thread not in threads[-PROBE_EVERY:]  # back on the thread until the next probe
+    await dear.submit(dearer_on_thread, threads, loop_thread, 2e-3, 300e-6)
+    assert threads[-1] == loop_thread and not dear.inline  # probed again, still over the bound
+    dear.close()
+
+    threads.clear()
+    far = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    for _ in range(INLINE_AFTER + 3 * PROBE_EVERY):  # beyond PROBE_FACTOR x the bound on the thread: no probe
+        await far.submit(dearer_on_thread, threads, loop_thread, 20e-6, PROBE_FACTOR * 100e-6 + 200e-6)
+    assert loop_thread not in threads and not far.inline
+    far.close()
