@@ -402,8 +402,8 @@ class DevicePipeline:
 INLINE_AFTER, INLINE_EWMA_ALPHA = 16, 0.1
 #: a context whose batches average at most PROBE_FACTOR times the inline bound on its thread runs one batch in
 #: PROBE_EVERY inline, to measure what it costs there: on the thread its CPU time also holds the GIL's hand-offs
-#: to and from a busy event loop (``bench.peers``' trivial model, 2 cores: 75-125 us a batch of 8 on the thread,
-#: most of it the hand-off, so the 100 us bound kept it off the event loop under load; README "Serving modes")
+#: to and from a busy event loop (``bench.peers``' trivial model on 2 cores: 75-125 us a batch of 8 on its thread,
+#: over the 100 us bound, and under HTTP load its batches all ran there; bench/results/peers/frontend_day14)
 PROBE_FACTOR, PROBE_EVERY = 4.0, 16
 
 
