@@ -44,6 +44,10 @@ import numpy as np
 from bench.scripts import script_parser
 
 
+class EngineStartError(RuntimeError):
+    """The engine process did not start (its model failed to load, e.g. ``--kind gpu`` without a GPU)."""
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of each thread of process ``pid`` (``/proc/<pid>/task/*/stat``)."""
     out = {}
@@ -188,11 +192,13 @@ def run(args) -> dict:
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
     w.close()
-    if not r.poll(600):
-        raise RuntimeError("the engine process did not report ready")
-    kind, what = r.recv()
+    kind, what = r.recv() if r.poll(600) else ("error", "it did not report ready within 600 s")
     if kind != "ready":
-        raise RuntimeError(f"the engine process failed: {what}")
+        if proc.is_alive():
+            os.kill(proc.pid, 15)
+        proc.join(60)
+        shutil.rmtree(models_dir, ignore_errors=True)
+        raise EngineStartError(f"the engine process failed: {what}")
     try:
         pipes, drivers = [], []
         for _ in range(args.drivers):
@@ -255,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     for i in range(args.rounds):
-        row = {"round": i + 1, **run(args)}
+        try:
+            result = run(args)
+        except EngineStartError as exc:  # e.g. --kind gpu without onnxruntime-gpu: one line, not a traceback
+            print(f"bench.engine_ipc: {exc}", file=sys.stderr)
+            return 2
+        row = {"round": i + 1, **result}
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.out is not None:
