@@ -81,10 +81,10 @@ def _driver(path: str, config_data: dict, model: str, name: str, shape: tuple, c
     engine = engines(config)[0]
     x = np.zeros(shape, np.float32)
     segment = None
-    if transport == "shm":
+    if transport == "shm":  # the segment's name is the region's too
         segment = SharedMemory(name=f"engine-ipc-{os.getpid()}", create=True, size=x.nbytes)
-        region = f"engine-ipc-{os.getpid()}"
-        x = ShmInput("FP32", shape, ShmRef(region, 0, int(np.prod(shape)) * 4))
+        region = segment.name
+        x = ShmInput("FP32", shape, ShmRef(region, 0, x.nbytes))
 
     async def main():
         link = EngineLink(engine, path, engine_slots(config, engine))
@@ -192,14 +192,10 @@ def run(args) -> dict:
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
     w.close()
-    kind, what = r.recv() if r.poll(600) else ("error", "it did not report ready within 600 s")
-    if kind != "ready":
-        if proc.is_alive():
-            os.kill(proc.pid, 15)
-        proc.join(60)
-        shutil.rmtree(models_dir, ignore_errors=True)
-        raise EngineStartError(f"the engine process failed: {what}")
     try:
+        kind, what = r.recv() if r.poll(600) else ("error", "it did not report ready within 600 s")
+        if kind != "ready":
+            raise EngineStartError(f"the engine process failed: {what}")
         pipes, drivers = [], []
         for _ in range(args.drivers):
             pr, pw = ctx.Pipe(duplex=False)
@@ -217,7 +213,8 @@ def run(args) -> dict:
             d.join(30)
         counted = _engine_count(sock, data, args.model, sum(c[2] for c in counts))
     finally:
-        os.kill(proc.pid, 15)
+        if proc.is_alive():
+            os.kill(proc.pid, 15)
         proc.join(60)
         shutil.rmtree(models_dir, ignore_errors=True)  # the model file and the socket
     answered = sum(c[0] for c in counts)
