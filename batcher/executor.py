@@ -405,6 +405,11 @@ INLINE_AFTER, INLINE_EWMA_ALPHA = 16, 0.1
 #: to and from a busy event loop (``bench.peers``' trivial model on 2 cores: 75-125 us a batch of 8 on its thread,
 #: over the 100 us bound, and under HTTP load its batches all ran there; bench/results/peers/frontend_day14)
 PROBE_FACTOR, PROBE_EVERY = 4.0, 16
+#: a context running its batches inline keeps them there until their inline average passes LEAVE_FACTOR times the
+#: bound (it comes back at the bound): the trivial model's batches average 60-77 us inline on 2 cores under
+#: ``h2load -c 16``, and with one threshold that average crossed 100 us now and then and sent about 1 batch in 9 to
+#: the thread (a console run with the averages logged; bench/results/peers/frontend_day15/runs.md)
+LEAVE_FACTOR = 2.0
 
 
 class ThreadExecutor:
@@ -424,8 +429,10 @@ class ThreadExecutor:
             the README's "Serving modes"). Once a batch has run inline, the inline average decides; before that,
             the thread's. Measured on the thread a batch also pays the GIL's hand-offs, so a context whose thread
             average is within :data:`PROBE_FACTOR` of the bound runs one batch in :data:`PROBE_EVERY` inline, to
-            learn its inline cost. One batch ten times slower (a new input shape) lifts the inline average over the
-            bound and sends the next ones back to the thread. 0: never.
+            learn its inline cost. A context running inline stays there until its inline average passes
+            :data:`LEAVE_FACTOR` times the bound (hysteresis: an average near the bound does not flap between the
+            two). One batch fifty times the bound (a new input shape) lifts the inline average over that and sends
+            the next ones back to the thread. 0: never.
     """
 
     def __init__(self, context: ExecutionContext, name: str, inline_s: float = 0.0) -> None:
@@ -441,13 +448,16 @@ class ThreadExecutor:
         self._on_thread = [0, 0.0]
         self._on_loop = [0, 0.0]
         self._since_probe = 0  # batches run on the thread since the last one run inline
+        self._staying = False  # the last batch ran inline because :attr:`inline` said so (not as a probe)
 
     @property
     def inline(self) -> bool:
         """Whether the next batch runs on the event loop (besides the probes of :data:`PROBE_EVERY`)."""
         if self._on_thread[0] + self._on_loop[0] < INLINE_AFTER:
             return False
-        return (self._on_loop if self._on_loop[0] else self._on_thread)[1] <= self._inline_s
+        if not self._on_loop[0]:
+            return self._on_thread[1] <= self._inline_s
+        return self._on_loop[1] <= (LEAVE_FACTOR * self._inline_s if self._staying else self._inline_s)
 
     def _probe(self) -> bool:
         """Whether this batch, due on the thread, runs inline once to measure its cost there."""
@@ -458,7 +468,8 @@ class ThreadExecutor:
         loop = asyncio.get_running_loop()
         if not self._inline_s:
             return loop.run_in_executor(self._pool, fn, self.context, *args)
-        if not self.inline and not self._probe():
+        self._staying = self.inline
+        if not self._staying and not self._probe():
             self._since_probe += 1
             return loop.run_in_executor(self._pool, self._timed, fn, args, self._on_thread)
         self._since_probe = 0

@@ -14,7 +14,7 @@ from fakes import FakeContext, rows
 
 from batcher.batching import Pending, shape_key
 from batcher.errors import ExecutionFailed, InvalidInput
-from batcher.executor import INLINE_AFTER, PROBE_EVERY, PROBE_FACTOR, BatchResult, ThreadExecutor, execute_batch
+from batcher.executor import INLINE_AFTER, LEAVE_FACTOR, PROBE_EVERY, PROBE_FACTOR, BatchResult, ThreadExecutor, execute_batch
 from engines.base import EngineError, EngineInputError
 
 
@@ -104,6 +104,28 @@ async def test_cheap_batches_move_to_the_event_loop_and_a_costly_one_moves_them_
     assert not ex.inline
     await ex.submit(batch, threads)
     assert threads[-1] != loop_thread  # ...and the next ones go back to the thread
+    ex.close()
+
+
+async def test_an_inline_context_stays_inline_until_its_average_passes_leave_factor_times_the_bound():
+    """Hysteresis: a context running inline whose average drifts over the bound (but under LEAVE_FACTOR x) keeps
+    running inline; a context on its thread comes back only at the bound."""
+    ex = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    for _ in range(INLINE_AFTER + 1):
+        await ex.submit(batch, threads)
+    assert threads[-1] == loop_thread
+    for _ in range(30):  # 150 us a batch inline: the average climbs over the bound, stays under 2x
+        await ex.submit(batch, threads, 150e-6)
+    assert threads[-30:] == [loop_thread] * 30 and 100e-6 < ex._on_loop[1] < LEAVE_FACTOR * 100e-6
+    assert ex.inline
+    for _ in range(20):  # 300 us a batch: over LEAVE_FACTOR x the bound, back to the thread
+        await ex.submit(batch, threads, 300e-6)
+    assert threads[-1] != loop_thread and not ex.inline
+    while threads[-1] != loop_thread:  # on the thread: the next inline batch is a probe...
+        await ex.submit(batch, threads, 150e-6)
+    assert not ex.inline  # ...at 150 us: over the bound, so it does not come back (no re-entry above the bound)
     ex.close()
 
 
