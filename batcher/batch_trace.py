@@ -7,7 +7,7 @@ load generator's step windows can be laid over it):
 
 =============  ====================================================================================
 ``dispatch``   the scheduler hands the batch to its executor (event loop)
-``stage0/1``   the staging thread starts and ends :func:`batcher.executor.stage_batch`
+``stage0/1``   the staging thread starts and ends :func:`batcher.batch_steps.stage_batch`
 ``put``        the staged batch is queued for the context's thread (:meth:`DevicePipeline.put`)
 ``launch0/1``  the context's thread starts and ends ``context.launch`` (copies, graph, event queued)
 ``collect0/1`` it starts waiting for the batch and has its outputs (``context.collect`` returned)

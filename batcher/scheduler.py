@@ -4,8 +4,9 @@ Flow for one model::
 
     infer() --> bounded queue (max_queue_size requests; full -> 503 + Retry-After)
             --> batcher coroutine (:meth:`ModelRunner._batcher`): an idle executor, then a batch
-            --> the executor (:mod:`batcher.executor`): re-check deadlines, stack, run, split (for a GPU context
-                in two steps on two threads, so the next batch is stacked while the current one runs)
+            --> the executor (:mod:`batcher.executor`, the steps in :mod:`batcher.batch_steps`): re-check deadlines,
+                stack, run, split (for a GPU context in two steps on two threads, so the next batch is stacked
+                while the current one runs)
             --> each request's own future, settled exactly once, on the event loop
 
 The batcher loop, after Ray Serve's ``_BatchQueue.wait_for_batch``:
@@ -61,7 +62,8 @@ from .batching import (
 )
 from .config import ModelConfig
 from .errors import DeadlineExceeded, ExecutionFailed, Unavailable
-from .executor import BatchResult, Executor, execute_batch
+from .batch_steps import BatchResult, execute_batch
+from .executor import Executor
 from .metrics import ModelMetrics, observe_many
 from .protocol import Lease
 from .signature import ModelSignature

@@ -181,7 +181,7 @@ class ExecutionContext(abc.ABC):
 
     #: batches this context takes on its device at once: with 2 or more, :meth:`launch` queues a batch and returns
     #: and :meth:`collect` waits for it, so the caller can queue the next batch behind the running one and the
-    #: device never waits for the host between batches (:class:`batcher.executor.DevicePipeline`). 1 (the
+    #: device never waits for the host between batches (:class:`batcher.device_pipeline.DevicePipeline`). 1 (the
     #: default): only :meth:`execute`.
     pipeline_depth: int = 1
 

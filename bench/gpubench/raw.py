@@ -3,7 +3,7 @@ allowed size and over the mixed-size workload; each batch is copied once from nu
 staging buffer first, as the service must do. A context that takes two batches on its device at once
 (``pipeline_depth`` 2, a CUDA-graph context) is measured both ways: each batch executed and waited for
 (``sequential_rows_per_s``), and each launched behind the one before, which is collected after it
-(``rows_per_s``: what the service's executor does, :class:`batcher.executor.DevicePipeline`); every "over raw"
+(``rows_per_s``: what the service's executor does, :class:`batcher.device_pipeline.DevicePipeline`); every "over raw"
 ratio of the other parts divides by ``rows_per_s``, the engine's best. At batch 32, each precision's max abs and relative error against
 ONNX Runtime fp32 on CPU, the TF32/fp32 and fp16/TF32 throughput ratios, and the rows/s of a context made with
 ``device_timing`` off (``<precision>_untimed_rows_per_s``: what the CUDA timing events around each batch cost)."""

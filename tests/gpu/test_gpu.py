@@ -81,7 +81,7 @@ def test_graph_context_matches_cpu_at_every_size_and_padded(model, cpu_reference
 
 @pytest.mark.parametrize("model", ["tiny_cnn", "resnet18"])
 def test_two_batches_launched_before_either_is_collected_match_cpu(model, cpu_reference):
-    """The device pipeline's order (batcher.executor.DevicePipeline): the next batch is launched behind the running
+    """The device pipeline's order (batcher.device_pipeline.DevicePipeline): the next batch is launched behind the running
     one, on the same stream and device buffers, then both are collected; each reads its own outputs."""
     want = cpu_reference(model)
     eng = OnnxRuntimeEngine(resolve(f"zoo:{model}"), device="cuda", batch_sizes=SIZES, gpu_execution="graphs")

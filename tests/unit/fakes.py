@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from batcher.config import ModelConfig, parse_config
-from batcher.executor import BatchResult
+from batcher.batch_steps import BatchResult
 from batcher.loader import Loaded
 from batcher.signature import ModelSignature
 from engines.base import DeviceTimes, Engine, EngineError, ExecutionContext, TensorSpec
@@ -115,7 +115,7 @@ class FakeEngine(Engine):
 
 class SleepExecutor:
     """Runs a batch on the event loop at once (deadline checks, stacking, splitting: the real
-    :func:`~batcher.executor.execute_batch`), then holds its result for ``seconds_per_row`` x rows of loop time,
+    :func:`~batcher.batch_steps.execute_batch`), then holds its result for ``seconds_per_row`` x rows of loop time,
     as if the engine took that long; the batch's compute time is reported as that duration."""
 
     def __init__(self, context: ExecutionContext, name: str = "fake", seconds_per_row: float = 0.001) -> None:
@@ -164,7 +164,7 @@ class PipelineExecutor(SleepExecutor):
             return staged
 
     async def _pipeline(self, args, slot):
-        from batcher.executor import run_batch, stage_batch
+        from batcher.batch_steps import run_batch, stage_batch
 
         staged = await self._stage(stage_batch, (*args, slot))
         return await self._run(run_batch, (staged, args[1], args[4]))

@@ -20,7 +20,7 @@ from batcher.batching import Pending, State, plan_batch, shape_key, stack_inputs
 from batcher.config import parse_config
 from batcher.dataplane import DataPlane
 from batcher.errors import ConfigError
-from batcher.executor import execute_batch
+from batcher.batch_steps import execute_batch
 from batcher.loader import engine_options, planned_batch_sizes, warmup_batch_sizes
 from batcher.metrics import Metrics
 from batcher.repository import READY, UNAVAILABLE, ModelRepository

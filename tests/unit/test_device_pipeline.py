@@ -1,5 +1,5 @@
 """ThreadExecutor's pipeline for a context that takes two batches on its device at once
-(:class:`batcher.executor.DevicePipeline`): the staging thread hands each staged batch straight to the context's
+(:class:`batcher.device_pipeline.DevicePipeline`): the staging thread hands each staged batch straight to the context's
 thread, which launches the next batch before it collects the last one.
 
 The context here is a stand-in that records every launch and collect (``y = 2 * x``); the device thread is held
@@ -73,9 +73,9 @@ def _args(batch: list[Pending]) -> tuple:
 
 @pytest.fixture
 def clock(monkeypatch):
-    """Execute times measured on the context's clock (``time.perf_counter`` in batcher.executor)."""
+    """Execute times measured on the context's clock (``time.perf_counter`` in batcher.device_pipeline)."""
     holder: dict[str, TwoDeep] = {}
-    import batcher.executor as executor
+    import batcher.device_pipeline as executor
 
     monkeypatch.setattr(executor.time, "perf_counter", lambda: holder["ctx"].clock if "ctx" in holder else 0.0)
     return holder

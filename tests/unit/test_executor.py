@@ -14,7 +14,8 @@ from fakes import FakeContext, rows
 
 from batcher.batching import Pending, shape_key
 from batcher.errors import ExecutionFailed, InvalidInput
-from batcher.executor import INLINE_AFTER, LEAVE_FACTOR, PROBE_EVERY, PROBE_FACTOR, BatchResult, ThreadExecutor, execute_batch
+from batcher.batch_steps import BatchResult, execute_batch
+from batcher.executor import INLINE_AFTER, LEAVE_FACTOR, PROBE_EVERY, PROBE_FACTOR, ThreadExecutor
 from engines.base import EngineError, EngineInputError
 
 
@@ -67,7 +68,7 @@ def test_an_engine_failure_is_a_warning_once_per_interval_per_model_with_the_cou
     monkeypatch.setattr(lograte, "_due",
                         {("engine failure", m): EveryFewSeconds(10.0, clock=lambda: now[0]) for m in ("m", "n")})
     ctx = PickyContext(EngineError)
-    with caplog.at_level("WARNING", logger="batcher.executor"):
+    with caplog.at_level("WARNING", logger="batcher.batch_steps"):
         for t in (0.0, 1.0, 9.9, 10.0):
             now[0] = t
             execute_batch(ctx, [_pending(-1.0)], "m", None, now=lambda: 0.0)

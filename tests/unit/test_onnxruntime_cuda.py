@@ -260,7 +260,7 @@ def test_batch_of_registered_requests_is_sent_part_by_part_without_stacking(devi
     padding rows are zeroed on the device, and the outputs equal the stacked path's exactly; one pageable request
     sends the batch back to stacking into the staging buffer."""
     from batcher.batching import Pending, shape_key
-    from batcher.executor import run_batch, stage_batch
+    from batcher.batch_steps import run_batch, stage_batch
     from engines.base import RowParts
 
     ctx = _engine(tmp_path).create_context()
@@ -301,7 +301,7 @@ def test_without_batched_copies_each_run_of_requests_goes_by_its_own_copy(device
     """A driver without ``cudaMemcpyBatchAsync`` (before CUDA 12.8): the runs of a batch go one
     ``cudaMemcpyAsync`` each, the outputs are the same, and the batched call is not tried again."""
     from batcher.batching import Pending, shape_key
-    from batcher.executor import run_batch, stage_batch
+    from batcher.batch_steps import run_batch, stage_batch
 
     device.fake.gpu.batch_copies = False
     ctx = _engine(tmp_path).create_context()

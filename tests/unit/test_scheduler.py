@@ -13,7 +13,7 @@ import pytest
 from fakes import FakeContext, PipelineExecutor, SleepExecutor, model_config, rows, signature
 
 from batcher.errors import DeadlineExceeded, ExecutionFailed, Unavailable
-from batcher.executor import BatchResult
+from batcher.batch_steps import BatchResult
 from batcher.metrics import Metrics
 from batcher.scheduler import ModelRunner
 from batcher.signature import ModelSignature
