@@ -38,7 +38,7 @@ from .dataplane import DataPlane
 from .outcomes import FRONTEND_LOST, CountedLater
 from .errors import BatcherError, RemoteError
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
-                  error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
+                  area_view, error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
 from .loader import load_model
 from .metrics import Metrics
 from .protocol import InferResponse, Lease
@@ -60,6 +60,7 @@ class _Request:
         self.conn, self.rid = conn, rid
         self.concluded = False
         self.reading = True  # the request's handler may still read the inputs
+        conn.leased += 1
         self.lease = Lease(self._inputs_free)
         self.ticket: Any = None
         self.task: asyncio.Task | None = None
@@ -70,8 +71,12 @@ class _Request:
             conn.server.counts[self.slot] += 1
 
     def _inputs_free(self) -> None:
+        conn = self.conn
+        conn.leased -= 1
         if self.concluded:
-            self.conn.channel.send((RELEASE, self.rid))
+            conn.channel.send((RELEASE, self.rid))
+        if not conn.leased and not conn.requests:
+            conn._idle.set()
 
     def done_reading(self) -> None:
         """Nothing here reads the inputs any more (the scheduler's own hold lasts until its batch is done)."""
@@ -143,7 +148,10 @@ class FrontendConnection:
         self.out_blocks: dict[int, list[int]] = {}
         self.channel = Channel(self._on_message, self._on_lost)
         self.closed = asyncio.Event()
-        self._idle = asyncio.Event()  # set while no request is in progress
+        #: requests whose inputs (views of ``area``) something may still read: a request cancelled while its batch
+        #: executes is forgotten at once, and its lease ends with the batch (:class:`batcher.protocol.Lease`)
+        self.leased = 0
+        self._idle = asyncio.Event()  # set while no request is in progress and no batch reads ``area``
         self._idle.set()
 
     # ---------------------------------------------------------------- messages
@@ -201,11 +209,13 @@ class FrontendConnection:
 
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
-        if not self.requests:
+        if not self.requests and not self.leased:
             self._idle.set()
 
     def _on_lost(self) -> None:
-        """The front end is gone: drop its requests (counted ``dropped``); the area goes with the last view."""
+        """The front end is gone: drop its requests (counted ``dropped``); its area is unmapped once no request is
+        in progress and no batch reads it (a request cancelled while its batch executes keeps its lease until that
+        batch ends: unmapping under it crashed the process, and on a GPU the batch's copy may still read it)."""
         if self.requests or self.acks:  # both are counted ``dropped``
             log.warning("%s is gone: dropping its %d request(s) in progress and %d answer(s) it had not "
                         "acknowledged", self.who, len(self.requests), len(self.acks))
@@ -304,7 +314,7 @@ class EngineServer:
         self.buffer_bytes = buffer_bytes
         self.slot_index = {k: i for i, k in enumerate(keys)}
         self.status = Area(8 * max(1, len(keys)))
-        self.counts = np.ndarray((max(1, len(keys)),), np.int64, buffer=self.status.buf)
+        self.counts = area_view(self.status.buf, (max(1, len(keys)),), np.int64)
         self.connections: set[FrontendConnection] = set()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None

@@ -20,6 +20,7 @@ import asyncio
 import bisect
 import ctypes
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -113,12 +114,21 @@ def pack_tensors(tensors: Mapping[str, Any], area: Area | None, allocator: Alloc
                 continue
             off = allocator.alloc(a.nbytes)
             if off is not None:
-                np.ndarray(a.shape, a.dtype, buffer=area.buf, offset=off)[...] = a
+                area_view(area.buf, a.shape, a.dtype, off)[...] = a
                 entries.append((name, a.dtype.str, a.shape, off))
                 blocks.append(off)
                 continue
         entries.append((name, a.dtype.str, a.shape, a.tobytes()))
     return entries, blocks
+
+
+def area_view(buf: Any, shape: tuple[int, ...], dtype: Any, offset: int = 0) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` over ``buf`` (an :class:`Area`'s mapping) from byte ``offset``, that keeps
+    the mapping exported while it lives, so ``mmap.close()`` refuses (BufferError) instead of unmapping under it.
+    ``np.ndarray(shape, dtype, buffer=buf, offset=...)`` does not hold the export (numpy 2.4): an area closed while
+    a batch read such a view crashed the engine process (SIGSEGV), as a killed front end's area did."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(buf, dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
 def unpack_tensors(entries: list[tuple], area: Area | None, copy: bool = False) -> dict[str, Any]:
@@ -132,7 +142,7 @@ def unpack_tensors(entries: list[tuple], area: Area | None, copy: bool = False) 
         elif len(e) == 6:
             out[e[0]] = ShmInput(e[1], e[2], ShmRef(e[3], e[4], e[5]))
         elif type(e[3]) is int:
-            view = np.ndarray(e[2], np.dtype(e[1]), buffer=area.buf, offset=e[3])
+            view = area_view(area.buf, e[2], np.dtype(e[1]), e[3])
             out[e[0]] = view.copy() if copy else view
         else:
             out[e[0]] = np.frombuffer(e[3], np.dtype(e[1])).reshape(e[2])
@@ -234,7 +244,7 @@ class Area:
     """A shared mapping of ``size`` bytes backed by a memfd (no name in ``/dev/shm``).
 
     Attributes:
-        buf: the mapping (numpy arrays view it with ``np.ndarray(shape, dtype, buffer=area.buf, offset=...)``).
+        buf: the mapping (numpy arrays view it with :func:`area_view`).
         fd: the memfd while this process still holds it (to pass on), else -1.
     """
 

@@ -32,7 +32,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import RemoteError, Unavailable
 from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
-                  pack_tensors, recv_hello, request_fields, unpack_tensors)
+                  area_view, pack_tensors, recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
 from .topology import Engine
 
@@ -151,7 +151,7 @@ class EngineLink:
         await asyncio.get_running_loop().create_unix_connection(lambda: channel, sock=sock)
         self._channel, self._area, self.pid = channel, area, hello["pid"]
         self._inputs = Allocator(0, area.size // 2)
-        self._counts = np.ndarray((max(1, len(self.keys)),), np.int64, buffer=status.buf)
+        self._counts = area_view(status.buf, (max(1, len(self.keys)),), np.int64)
         self.connected = True
 
     def _on_lost(self) -> None:
