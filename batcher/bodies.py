@@ -48,6 +48,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import Gauge
@@ -63,6 +64,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 UNCOUNTED_BYTES = 64 * 1024
 #: bytes read from the socket at a time
 CHUNK = 256 * 1024
+#: a plain body with a declared length up to this size is read into a zero-filled bytearray; a larger one into
+#: an uninitialised buffer whose pages are taken as its bytes arrive (:func:`_read_into`)
+EAGER_BYTES = 1 << 20
 #: the first two bytes of every gzip member (RFC 1952, 2.3.1)
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -377,7 +381,9 @@ async def _read_into(request: web.Request, declared: int, into: Callable[[int], 
 
     ``into(declared)`` may give the buffer instead (an object with ``view``, a writable memoryview of ``declared``
     bytes, and ``release()``; :meth:`batcher.remote.EngineLink.body_buffer`: shared memory an engine process reads),
-    which is then returned as that view and released when the handler ends (:func:`release`); None: a bytearray.
+    which is then returned as that view and released when the handler ends (:func:`release`); None: a bytearray,
+    or over :data:`EAGER_BYTES` a memoryview of an uninitialised NumPy buffer, whose pages are taken only as the
+    bytes arrive (what a client declared but has not sent costs its reservation, not memory).
 
     Raises:
         InvalidInput (400): broken framing found while the body streams in. ConnectionResetError and the like:
@@ -387,8 +393,12 @@ async def _read_into(request: web.Request, declared: int, into: Callable[[int], 
     if given is not None:
         request[BODY_BUFFER] = given
         body, view = None, given.view
-    else:
+    elif declared <= EAGER_BYTES:
         body = bytearray(declared)
+        view = memoryview(body)
+    else:  # taken as its bytes arrive: bytearray(n) zero-fills every page at once, so a client that declared 120 MB
+        # and sent 100 bytes had 114 MB of real memory committed until its read timed out (a new user's report)
+        body = np.empty(declared, np.uint8)
         view = memoryview(body)
     size = 0
     try:
@@ -411,7 +421,7 @@ async def _read_into(request: web.Request, declared: int, into: Callable[[int], 
         raise
     if size != declared:  # not reached while the parser ends the body at Content-Length; never a short body
         raise InvalidInput(f"request body of {size} bytes, {declared} declared")
-    if given is not None:
+    if given is not None or type(body) is not bytearray:
         return view
     view.release()
     return body
