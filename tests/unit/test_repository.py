@@ -120,6 +120,24 @@ async def test_the_heap_is_trimmed_before_a_first_load_not_before_a_reload(monke
     await r.close()
 
 
+async def test_a_reload_of_the_same_file_counts_at_least_what_its_first_load_measured():
+    """A repository-API load with a new config measures the new load beside the old one, in the heap the old one
+    holds: tiny_cnn grew 0.37 MB there against 42.6 MB at its first load (a new user's report), which under lru
+    would let models past the budget. The same file keeps its first load's figure as a floor; another file counts
+    what its own load measured."""
+    loader = FakeLoader({"a": 60})
+    r, _ = repo([{"name": "a", "max_batch_size": 4}], loader)
+    await r.start()
+    slot = r.slot("a")
+    assert slot.measured_bytes == 60 * MiB
+    loader.sizes_mb["a"] = 1  # what the new load's growth shows beside the old one
+    await r.reload(slot, slot.cfg.model_copy(update={"max_batch_size": 8}))
+    assert slot.cfg.max_batch_size == 8 and slot.measured_bytes == 60 * MiB
+    await r.reload(slot, slot.cfg.model_copy(update={"path": "other.onnx"}))
+    assert slot.measured_bytes < 60 * MiB  # another file: its own load's figure
+    await r.close()
+
+
 def test_victim_choice_rule():
     cands = [Candidate("a", 20, 1.0), Candidate("b", 20, 2.0), Candidate("c", 60, 3.0), Candidate("e", 70, 4.0)]
     assert choose_victims(cands, 0) == []
