@@ -22,9 +22,12 @@ Rules (Triton's unless said otherwise):
   it, new requests naming it get 400, the name can be registered again); it is unmapped when the last request
   holding it is done. Triton also answers at once and defers the unmap, but keeps the region listed and usable
   until then. Unregistering an unknown name is not an error (Triton). Every region is unmapped at shutdown.
-* Copies: a system-shm input is a zero-copy, read-only view of the mapping; the batch's stacking copies it once
-  (a lone request's view goes to the engine as it is). A CUDA input is copied device-to-host once (the engine
-  contract takes host arrays); outputs are copied into their region before the answer is delivered.
+* Copies: a system-shm input is read through the segment's file descriptor into the server's own memory
+  (``pread``; a segment its client truncates reads short, a 400, instead of faulting the process), then stacked
+  with its batch; in a process with GPU models the region is page-locked and an input is a zero-copy, read-only
+  view of the mapping, which the batch sends to the device by DMA (:mod:`batcher.shm_regions`). A CUDA input is
+  copied device-to-host once (the engine contract takes host arrays); outputs are copied into their region
+  (``pwrite``, or into a page-locked mapping) before the answer is delivered.
 """
 
 from __future__ import annotations
@@ -327,7 +330,7 @@ class Hold:
                 if region.blocking:
                     out[name] = await self._run(region, t.ref.byte_size, region.read, t.ref, t.datatype, t.shape,
                                                 f"input '{name}'")
-                else:  # a system read is a view: here, its size check shared by this loop iteration's reads
+                else:  # a system read: here, on the event loop (a view's size check shared by this pass)
                     out[name] = region.read(t.ref, t.datatype, t.shape, f"input '{name}'",
                                             asyncio.get_running_loop())
         return out

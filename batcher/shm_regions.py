@@ -2,12 +2,17 @@
 and written to them (the rules they serve: :mod:`batcher.shm`).
 
 * :class:`SystemRegion`: ``byte_size`` bytes at ``offset`` of the POSIX shared-memory segment ``key``
-  (``shm_open(key, O_RDWR)``, as Triton opens it), mapped read/write with ``mmap``. Reads are zero-copy numpy
-  views of the mapping; while any view exists, ``mmap`` refuses to close (its buffer-export rule) and the mapping
-  is unmapped only when the last view is gone, so no view can outlive its memory. In a process that runs models on
-  a GPU the mapping is also page-locked (:meth:`SystemRegion.page_lock`, ``cudaHostRegister``), so a batch of
-  inputs read from it goes host-to-device by DMA, one copy per request, without being stacked on the host first
-  (``ExecutionContext.gather_rows``).
+  (``shm_open(key, O_RDWR)``, as Triton opens it). Reads and writes go through the segment's file descriptor
+  (``pread``, ``pwrite``): a client that truncates its segment while a request reads it makes a short read, a 400,
+  where touching a mapping past the segment's new end would kill the process with SIGBUS (a new user's loop of
+  ``ftruncate`` did, within a few requests). That is one copy per input, into memory of the server's own. In a
+  process that runs models on a GPU the region is also mapped and page-locked (:meth:`SystemRegion.page_lock`,
+  ``cudaHostRegister``), and its reads are zero-copy numpy views of the mapping, so a batch of inputs read from it
+  goes host-to-device by DMA, one copy per request, without being stacked on the host first
+  (``ExecutionContext.gather_rows``); while any view exists, ``mmap`` refuses to close (its buffer-export rule) and
+  the mapping is unmapped only when the last view is gone. Outputs are written with ``pwrite`` either way. A
+  page-locked region's inputs are read by the device, and by the host only where a batch cannot go by DMA; the
+  truncation hazard remains there (the README's "Shared-memory tensors").
 * :class:`CudaRegion`: ``byte_size`` bytes of another process's device memory opened from its CUDA IPC handle
   (``cudaIpcOpenMemHandle``, :class:`engines.cuda.IpcMemory`). Reads copy device-to-host and writes host-to-device
   through a :class:`CudaStaging` buffer of its device; both block (call them off the event loop).
@@ -173,12 +178,13 @@ class SystemRegion(Region):
         """Raises InvalidInput: unregistered, or the segment is now smaller than the region."""
         if self._map is None:
             raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")
-        # a segment the client truncated after registering: touching the mapping past its new end would kill the
-        # process with SIGBUS. Checked at every write and, on the event loop (``loop``), at the first read of each
-        # loop iteration (one fstat: 11 us per request of the engine process's 93 on the 2-core machine when done
-        # for every read; the reads of one iteration are the requests of the same few socket reads). A truncation
-        # after the check and before the batch is copied is not caught (the extension is for trusted clients,
-        # see the README).
+        # a segment the client truncated after registering: a 400 rather than a file grown back by a write, or
+        # (a page-locked region's views) the mapping touched past its new end, which kills the process with
+        # SIGBUS. Checked at every write and, on the event loop (``loop``), at the first view of each loop
+        # iteration (one fstat: 11 us per request of the engine process's 93 on the 2-core machine when done for
+        # every read; the reads of one iteration are the requests of the same few socket reads). A truncation
+        # after the check and before a view's batch is copied is not caught (the README's "Shared-memory
+        # tensors"); reads through the file descriptor need no check (:meth:`_pread`).
         if loop is None or not self._size_checked:
             size = os.fstat(self._fd).st_size
             if self.offset + self.byte_size > size:
@@ -192,10 +198,36 @@ class SystemRegion(Region):
     def _recheck(self) -> None:
         self._size_checked = False
 
+    def _pread(self, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes at ``offset`` of the region, copied through the file descriptor into a new ``uint8``
+        array (never through the mapping: a truncated segment reads short instead of faulting).
+
+        Raises:
+            InvalidInput: unregistered, or the segment ends before them (truncated by its client).
+        """
+        if self._map is None:
+            raise InvalidInput(f"system shared memory region '{self.name}' was unregistered")
+        out = np.empty(nbytes, np.uint8)
+        done, view = 0, memoryview(out)
+        while done < nbytes:
+            n = os.preadv(self._fd, [view[done:]], self.offset + offset + done)
+            if n <= 0:
+                size = os.fstat(self._fd).st_size
+                raise InvalidInput(f"system shared memory region '{self.name}': segment {self.key!r} is now {size} "
+                                   f"bytes, smaller than the registered offset {self.offset} + byte_size "
+                                   f"{self.byte_size}")
+            done += n
+        return out
+
     def read(self, ref: ShmRef, datatype: str, shape: tuple[int, ...], where: str,
              loop: asyncio.AbstractEventLoop | None = None) -> np.ndarray:
-        """The tensor at ``ref``, a read-only view; ``loop``: called on that event loop (the size check is shared
-        by the reads of one iteration). Raises InvalidInput: unregistered, truncated, or not parseable."""
+        """The tensor at ``ref``, read-only: a copy of the client's bytes (:meth:`_pread`), or on a page-locked
+        region a view of the mapping; ``loop``: called on that event loop (a view's size check is shared by the
+        reads of one iteration). Raises InvalidInput: unregistered, truncated, or not parseable."""
+        if self._locked is None:
+            arr = tensor_from_bytes(self._pread(ref.offset, ref.byte_size), datatype, shape, where)
+            arr.flags.writeable = False
+            return arr
         dtype = _PLAIN_DTYPES.get(datatype)
         if dtype is not None and (self._base + ref.offset) % dtype.alignment == 0:
             # a numeric tensor at an aligned offset (every request but BYTES, BOOL and odd offsets): the typed view
@@ -212,7 +244,16 @@ class SystemRegion(Region):
         return arr
 
     def write(self, offset: int, data: np.ndarray) -> None:
-        self._view(offset, data.nbytes)[:] = data
+        """``data`` (``uint8``, C-contiguous) into the region at ``offset``, through the file descriptor
+        (``pwrite``: a segment truncated after the size check grows back instead of faulting the process).
+
+        Raises:
+            InvalidInput: unregistered, or the segment is smaller than the region.
+        """
+        self._check_mapped(None)
+        done, view = 0, memoryview(data).cast("B")
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], self.offset + offset + done)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}

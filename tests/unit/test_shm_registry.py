@@ -63,7 +63,9 @@ def request(inputs: dict, outputs: list[RequestedOutput] | None = None) -> Infer
 # =========================================================================== system regions
 
 
-async def test_register_status_and_a_zero_copy_read_at_an_unaligned_offset(segment):
+async def test_register_status_and_a_read_at_an_unaligned_offset_copies_the_clients_bytes(segment):
+    """A region not page-locked is read through its file descriptor (pread): the input is the server's own copy, so
+    the client's later writes do not reach it and unregistering unmaps at once."""
     seg = segment(10_000)
     reg = registry()
     await reg.register("system", "r", key=seg.name, offset=100, byte_size=4096)  # not page-aligned
@@ -76,12 +78,48 @@ async def test_register_status_and_a_zero_copy_read_at_an_unaligned_offset(segme
         got = (await held.inputs())["x"]
         np.testing.assert_array_equal(got, x)
         assert not got.flags.writeable
-        put(seg, 148, np.full(1, 99, np.float32))  # the client writes: the input sees it, so it is a view
-        assert got[0, 0] == 99
+        put(seg, 148, np.full(1, 99, np.float32))  # the client writes: the input already holds its own bytes
+        assert got[0, 0] == 0
     await reg.unregister("system", "r")
-    assert reg.status("system") == [] and mappings(seg) == 2  # a view is alive: mmap cannot go under it
-    del got
-    assert mappings(seg) == 1  # the last view took the mapping with it
+    assert reg.status("system") == [] and mappings(seg) == 1
+
+
+def test_a_segment_truncated_after_a_read_cannot_crash_the_process(segment):
+    """A client truncating its segment while its request is read (a new user's ``ftruncate`` loop killed the server
+    with SIGBUS within a few requests): the tensor read is the server's own copy, so touching it after the
+    truncation is safe, and a read after it is a 400. In a child process, so that a SIGBUS fails this test instead
+    of killing the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    seg = segment(8192)
+    put(seg, 0, np.arange(16, dtype=np.float32))
+    code = textwrap.dedent(f"""
+        import os, numpy as np
+        from _posixshmem import shm_open
+        from batcher.errors import InvalidInput
+        from batcher.protocol import ShmRef
+        from batcher.shm_regions import SystemRegion
+        region = SystemRegion("r", {seg.name!r}, 0, 8192)
+        x = region.read(ShmRef("r", 0, 64), "FP32", (16,), "input 'x'")
+        fd = shm_open({seg.name!r}, os.O_RDWR, 0o600)
+        os.ftruncate(fd, 0)
+        print(float(x.sum()))
+        try:
+            region.read(ShmRef("r", 0, 64), "FP32", (16,), "input 'x'")
+        except InvalidInput as exc:
+            print("400", exc.message)
+        os.ftruncate(fd, 8192)
+        os.close(fd)
+        region.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"the process died: {out.returncode} {out.stderr[-500:]}"
+    lines = out.stdout.splitlines()
+    assert lines[0] == "120.0"
+    assert lines[1] == (f"400 system shared memory region 'r': segment {seg.name!r} is now 0 bytes, smaller than "
+                        "the registered offset 0 + byte_size 8192")
 
 
 async def test_registration_errors_name_the_region_key_and_sizes(segment):
@@ -394,11 +432,13 @@ async def test_a_segment_truncated_after_registration_is_a_400_not_a_bus_error(s
     await reg.unregister("system", "r")
 
 
-async def test_the_reads_of_one_event_loop_pass_share_one_size_check(segment, monkeypatch):
-    """One fstat for the requests read in one pass of the event loop (11 of the engine process's 93 us per shm
-    request on the 2-core machine when every read made its own), a new one in the next pass, and one per write."""
+async def test_the_reads_of_one_event_loop_pass_share_one_size_check(fake, segment, monkeypatch):
+    """A page-locked region's reads are views of the mapping: one fstat for the requests read in one pass of the
+    event loop (11 of the engine process's 93 us per shm request on the 2-core machine when every read made its
+    own), a new one in the next pass, and one per write. A region read through its file descriptor needs none: a
+    truncated segment reads short."""
     seg = segment(8192)
-    reg = registry()
+    reg = SharedMemoryRegistry(SharedMemoryConfig(system=True), page_lock=True)
     await reg.register("system", "r", key=seg.name, offset=0, byte_size=8192)
     calls = []
     fstat = os.fstat
@@ -414,6 +454,15 @@ async def test_the_reads_of_one_event_loop_pass_share_one_size_check(segment, mo
     reg._regions["r"].write(0, np.zeros(16, np.uint8))
     assert len(calls) == 3
     await reg.unregister("system", "r")
+
+    plain = registry()
+    await plain.register("system", "p", key=seg.name, offset=0, byte_size=8192)
+    registered = len(calls)  # its registration checked the segment's size
+    for _ in range(3):
+        async with plain.hold(request({"x": ShmInput("FP32", (1, 4), ShmRef("p", 0, 16))})) as held:
+            await held.inputs()
+    assert len(calls) == registered
+    await plain.close()
 
 
 async def test_a_gpu_process_page_locks_system_regions_so_batches_read_them_by_dma(fake, segment, caplog):
