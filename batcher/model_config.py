@@ -13,6 +13,7 @@ names.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
@@ -24,9 +25,34 @@ from .batch_sizes import check_allowed_batch_sizes
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
+#: every integer of a model's config fits 64 bits (Triton's model_config.proto is int64/uint64, and the JSON of
+#: ``GET /v2/models/{m}/config`` takes no more: 2**64 there was a 500 on every GET, a new user's report)
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _ints(value: Any) -> Iterator[int]:
+    if type(value) is int:
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _ints(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _ints(v)
+
+
 class _Strict(BaseModel):
     # strict: "8" is not an int and true is not 1; a typo in a key is an error, not ignored.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="after")
+    def _fit_64_bits(self) -> _Strict:
+        for name, value in self:
+            for v in _ints(value):
+                if not INT_MIN <= v <= INT_MAX:
+                    raise ValueError(f"{name}: {v} does not fit in 64 bits (Triton's model configuration is int64 "
+                                     "and uint64)")
+        return self
 
 
 class InputConfig(_Strict):

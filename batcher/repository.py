@@ -95,13 +95,19 @@ class ModelSlot:
         """What this model counts against the memory budget: measured at load, else the pre-load estimate."""
         if self.measured_bytes is not None:
             return self.measured_bytes
-        if self.cfg.memory_mb is not None:
-            return int(self.cfg.memory_mb * MiB)
+        return self.estimate(self.cfg)
+
+    @staticmethod
+    def estimate(cfg: ModelConfig) -> int:
+        """Bytes a model of ``cfg`` counts before its load is measured: ``memory_mb``, else the seed's formula on
+        its file, ``(1 + 2 x instances) x file size + 32 MB``."""
+        if cfg.memory_mb is not None:
+            return int(cfg.memory_mb * MiB)
         try:
-            size = resolve(self.cfg.path).stat().st_size
+            size = resolve(cfg.path).stat().st_size
         except (ZooError, OSError):
             size = 0
-        return (1 + 2 * self.cfg.instances) * size + 32 * MiB
+        return (1 + 2 * cfg.instances) * size + 32 * MiB
 
 
 def pick_version(name: str, version: str | None, served: list[str], mismatch: str) -> str:
@@ -316,7 +322,9 @@ class ModelRepository(ModelSlots):
         new requests as soon as it is ready; requests queued or executing on the old one finish there, then the
         old one is released. The model counts once against the memory budget (both are resident for a moment): as
         measured by the new load, and at least what its first load measured when the file is the same (the new
-        load's growth lands in memory the old one holds or left).
+        load's growth lands in memory the old one holds or left). Under a budget, room is made for the new load's
+        estimate first (:meth:`_reload_estimate`; idle models are evicted as for any load), and a new load measured
+        over the budget that no eviction can fit is given back: the old one serves on.
 
         Raises:
             ConfigError: ``cfg`` does not load; the model keeps its config and its load. Unavailable: no room in the
@@ -326,6 +334,9 @@ class ModelRepository(ModelSlots):
         async with self._lock:
             if slot.state != READY or self.closed:
                 raise Unavailable(f"model '{slot.name}' was unloaded during its reload", retry_after_s=1)
+            # room for the new load first, as for any load (a reload to 12 instances once went 2x past the budget,
+            # and one to 64 intra-op threads on top of it had the kernel kill the server: a new user's report)
+            await self._make_room(slot, self._reload_estimate(slot, cfg))
             kept = ("cfg", "loaded", "runner", "measured_bytes", "footprint_bytes", "device_bytes")
             old = {k: getattr(slot, k) for k in kept}
             loaded, rss0 = await self._open(slot, cfg)
@@ -340,6 +351,20 @@ class ModelRepository(ModelSlots):
                 # the same file: the new load grew into the heap the old one left or shares, so its own growth
                 # undercounts it (tiny_cnn: 0.37 MB against 42.6 at its first load, a new user's report)
                 slot.measured_bytes = max(slot.measured_bytes, old["measured_bytes"])
+            if self.budget is not None and self.used_bytes > self.budget.budget_bytes:
+                try:  # measured above its estimate: room beside it, or the old load serves on
+                    await self._make_room(slot)
+                except Unavailable as exc:
+                    new_runner = slot.runner
+                    for k, v in old.items():
+                        setattr(slot, k, v)
+                    if new_runner is not None:
+                        await new_runner.close()
+                    await asyncio.to_thread(loaded.release)
+                    self._update_memory()
+                    raise Unavailable(f"model '{slot.name}': its new load measured {loaded.measured_bytes / MiB:.0f} "
+                                      f"MB and does not fit the memory budget; the old load serves on ({exc.message})",
+                                      retry_after_s=5) from None
             self.lifecycle.record("load", slot, loaded.load_seconds, rss0, self.used_bytes)
         runner = old["runner"]
         if runner is not None:
@@ -363,18 +388,29 @@ class ModelRepository(ModelSlots):
                 f"{self.budget.budget_bytes / MiB:.0f} MB cannot hold it beside the models in use")
             raise Unavailable(f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
 
-    async def _make_room(self, newcomer: ModelSlot) -> None:
-        """Evict what :mod:`batcher.lru` names so that ``newcomer`` fits (the caller holds the lock).
+    def _reload_estimate(self, slot: ModelSlot, cfg: ModelConfig) -> int:
+        """What ``slot`` would count with ``cfg`` before that load is measured: ``cfg.memory_mb``; for the same
+        file, what it counts now, scaled up by the instances added; else the pre-load formula."""
+        if cfg.memory_mb is not None:
+            return int(cfg.memory_mb * MiB)
+        if slot.measured_bytes is not None and cfg.path == slot.cfg.path:
+            return slot.measured_bytes * max(cfg.instances, slot.cfg.instances) // max(1, slot.cfg.instances)
+        return ModelSlot.estimate(cfg)
+
+    async def _make_room(self, newcomer: ModelSlot, need: int | None = None) -> None:
+        """Evict what :mod:`batcher.lru` names so that ``newcomer`` fits, counting ``need`` bytes (default: its
+        :attr:`ModelSlot.budget_bytes`) (the caller holds the lock).
 
         Raises:
             Unavailable: the models that would have to go are pinned, or the newcomer alone exceeds the budget.
         """
         if self.budget is None:
             return
+        need = newcomer.budget_bytes if need is None else need
         others = [s for s in self.all() if s is not newcomer and s.loaded_or_unloading]
         idle = [Candidate(s, s.budget_bytes, s.last_used) for s in others if s.state == READY and not s.pinned]
         try:
-            victims = self.budget.victims(newcomer.name, newcomer.budget_bytes, sum(s.budget_bytes for s in others),
+            victims = self.budget.victims(newcomer.name, need, sum(s.budget_bytes for s in others),
                                           idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
         except NoRoom as exc:
             raise Unavailable(str(exc), retry_after_s=1) from None

@@ -6,6 +6,7 @@ Models are loaded by :class:`fakes.FakeLoader` (no file; each counts a chosen nu
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from fakes import MiB, FakeLoader
@@ -135,6 +136,41 @@ async def test_a_reload_of_the_same_file_counts_at_least_what_its_first_load_mea
     assert slot.cfg.max_batch_size == 8 and slot.measured_bytes == 60 * MiB
     await r.reload(slot, slot.cfg.model_copy(update={"path": "other.onnx"}))
     assert slot.measured_bytes < 60 * MiB  # another file: its own load's figure
+    await r.close()
+
+
+def instances(cfg, n: int):
+    """``cfg`` with ``n`` CPU contexts."""
+    from batcher.model_config import InstanceGroup
+
+    return cfg.model_copy(update={"instance_group": [InstanceGroup(count=n)]})
+
+
+async def test_a_reload_makes_room_for_its_estimate_and_gives_back_a_load_over_the_budget():
+    """A repository-API reload is held to the memory budget as a first load is (it was not: a reload to 12
+    instances went 2x past the budget, and one more with 64 intra-op threads had the kernel kill the server, a new
+    user's report). Room is made for its estimate first (what the model counts, scaled by the instances added):
+    idle models are evicted, and what cannot fit is a 503 with the old load serving on. A new load measured over
+    the budget after all is given back."""
+    loader = FakeLoader({"a": 30, "b": 30})
+    r, _ = repo([{"name": "a"}, {"name": "b"}], loader, load_strategy="lru", memory_budget_mb=100)
+    for name in "ab":
+        r.release(await r.acquire(r.slot(name)))
+    a, b = r.slot("a"), r.slot("b")
+    old_loaded = a.loaded
+    with pytest.raises(Unavailable, match=re.escape("model 'a' needs 120 MB, more than the whole memory budget (100 MB)")):
+        await r.reload(a, instances(a.cfg, 4))  # 4 x 30 MB: more than the whole budget
+    assert a.cfg.instances == 1 and a.loaded is old_loaded and a.state == READY
+    await r.reload(a, instances(a.cfg, 3))  # 90 MB beside b's 30: b (idle) is evicted to make room
+    assert a.cfg.instances == 3 and states(r) == {"a:1": READY, "b:1": UNAVAILABLE}
+    assert [(e["event"], e["model"]) for e in r.lifecycle.events][-2:] == [("evict", "b"), ("load", "a")]
+    old_loaded = a.loaded
+    loader.sizes_mb["a"] = 150  # the new load measures over the budget
+    with pytest.raises(Unavailable, match="measured 150 MB and does not fit the memory budget; the old load"):
+        await r.reload(a, a.cfg.model_copy(update={"max_batch_size": 4}))
+    assert a.loaded is old_loaded and a.cfg.instances == 3 and a.cfg.max_batch_size != 4 and a.state == READY
+    assert r.used_bytes <= 100 * MiB
+    r.release(await r.acquire(a))
     await r.close()
 
 

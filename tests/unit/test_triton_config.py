@@ -52,6 +52,16 @@ def test_triton_spells_64_bit_integers_as_strings_and_those_are_taken():
     assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 12
 
 
+def test_the_largest_64_bit_values_are_taken_and_their_config_encodes():
+    """uint64's largest value is a valid Triton config, and GET /v2/models/{m}/config's JSON (orjson) encodes it."""
+    import orjson
+
+    cfg = apply_model_config(_cfg(), _sig(), {"dynamic_batching": {"default_queue_policy": {
+        "default_timeout_microseconds": str(2 ** 64 - 1), "max_queue_size": str(2 ** 64 - 1)}}})
+    doc = orjson.loads(orjson.dumps(model_config_json(cfg, _sig())))
+    assert int(doc["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"]) == 2 ** 64 - 1
+
+
 def test_each_supported_field_changes_the_config():
     cfg = _cfg(dynamic_batching={"max_queue_delay_microseconds": 100, "admission_control": True})
     doc = {"max_batch_size": 4, "instance_group": [{"name": "m_0", "count": 2, "kind": "KIND_CPU"}],
@@ -129,6 +139,11 @@ def test_unsupported_fields_are_refused_all_named_at_once():
     ({"output": [{"name": "y", "dims": [11]}]}, "'y' dims [11] differ from the model's [10]"),
     ({"parameters": {"intra_op_thread_count": {"string_value": "many"}}}, "intra_op_thread_count.string_value: "
                                                                           "expected an integer"),
+    # past 64 bits: accepted before, then every GET /v2/models/{m}/config was a 500 (orjson), a new user's report
+    ({"dynamic_batching": {"default_queue_policy": {"default_timeout_microseconds": "99999999999999999999"}}},
+     "default_timeout_microseconds: 99999999999999999999 does not fit in 64 bits"),
+    ({"dynamic_batching": {"default_queue_policy": {"max_queue_size": 2 ** 64}}},
+     "max_queue_size: 18446744073709551616 does not fit in 64 bits"),
 ])
 def test_wrong_types_and_contradictions_are_400_naming_the_field(doc, message):
     with pytest.raises(InvalidInput) as exc:
