@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -37,8 +37,9 @@ class Executor(Protocol):
     #: then it has :meth:`pipeline`
     depth: int
 
-    def submit(self, fn: Callable[..., BatchResult], *args: Any) -> Awaitable[BatchResult]:
-        """Run ``fn(context, *args)`` where the context lives; the awaitable gives its result."""
+    def submit(self, fn: Callable[..., BatchResult], *args: Any, key: Hashable = None) -> Awaitable[BatchResult]:
+        """Run ``fn(context, *args)`` where the context lives; the awaitable gives its result. ``key``: the
+        batch's shape key (:func:`batcher.batching.shape_key`), which an executor may use to tell batches apart."""
 
     def pipeline(self, args: tuple, slot: int, done: Callable[[asyncio.Future], None] | None = None
                  ) -> Awaitable[BatchResult]:
@@ -63,6 +64,8 @@ PROBE_FACTOR, PROBE_EVERY = 4.0, 16
 #: ``h2load -c 16``, and with one threshold that average crossed 100 us now and then and sent about 1 batch in 9 to
 #: the thread (a console run with the averages logged; bench/results/peers/frontend_day15/runs.md)
 LEAVE_FACTOR = 2.0
+#: shape keys a context remembers as cheap (then it starts over: each shape's next batch goes to the thread once)
+CHEAP_KEYS = 1024
 
 
 class ThreadExecutor:
@@ -84,8 +87,11 @@ class ThreadExecutor:
             average is within :data:`PROBE_FACTOR` of the bound runs one batch in :data:`PROBE_EVERY` inline, to
             learn its inline cost. A context running inline stays there until its inline average passes
             :data:`LEAVE_FACTOR` times the bound (hysteresis: an average near the bound does not flap between the
-            two). One batch fifty times the bound (a new input shape) lifts the inline average over that and sends
-            the next ones back to the thread. 0: never.
+            two). One batch fifty times the bound lifts the inline average over that and sends the next ones back
+            to the thread. A batch whose shape key (``submit``'s ``key``) has not yet run on the thread within
+            :data:`PROBE_FACTOR` of the bound never runs inline: a model with dynamic dims whose 4x4 batches ran
+            inline ran its first 5500x5500 one there too, and held every request of the process for seconds (a
+            new user's report). 0: never.
     """
 
     def __init__(self, context: ExecutionContext, name: str, inline_s: float = 0.0) -> None:
@@ -102,6 +108,8 @@ class ThreadExecutor:
         self._on_loop = [0, 0.0]
         self._since_probe = 0  # batches run on the thread since the last one run inline
         self._staying = False  # the last batch ran inline because :attr:`inline` said so (not as a probe)
+        #: shape keys with a batch measured on the thread within PROBE_FACTOR of the bound (at most CHEAP_KEYS)
+        self._cheap: set[Hashable] = set()
 
     @property
     def inline(self) -> bool:
@@ -117,10 +125,12 @@ class ThreadExecutor:
         return (self._since_probe >= PROBE_EVERY and self._on_thread[0] >= INLINE_AFTER
                 and self._on_thread[1] <= PROBE_FACTOR * self._inline_s)
 
-    def submit(self, fn: Callable[..., BatchResult], *args: Any) -> asyncio.Future:
+    def submit(self, fn: Callable[..., BatchResult], *args: Any, key: Hashable = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         if not self._inline_s:
             return loop.run_in_executor(self._pool, fn, self.context, *args)
+        if key is not None and key not in self._cheap:  # a shape not measured cheap yet: learned on the thread
+            return loop.run_in_executor(self._pool, self._first_of_shape, fn, args, key)
         self._staying = self.inline
         if not self._staying and not self._probe():
             self._since_probe += 1
@@ -132,6 +142,17 @@ class ThreadExecutor:
         except BaseException as exc:  # execute_batch never raises; anything else fails its batch as usual
             fut.set_exception(exc)
         return fut
+
+    def _first_of_shape(self, fn: Callable[..., BatchResult], args: tuple, key: Hashable) -> BatchResult:
+        """A batch of a shape not measured cheap yet, on the thread; its shape becomes cheap when it cost at most
+        :data:`PROBE_FACTOR` times the bound (the context's averages are left to the shapes that may run inline)."""
+        measured = [0, 0.0]
+        result = self._timed(fn, args, measured)
+        if measured[0] and measured[1] <= PROBE_FACTOR * self._inline_s:
+            if len(self._cheap) >= CHEAP_KEYS:
+                self._cheap.clear()
+            self._cheap.add(key)
+        return result
 
     def _timed(self, fn: Callable[..., BatchResult], args: tuple, average: list) -> BatchResult:
         """Run one batch and take its CPU time in the running thread (not its wall time, which waiting for the GIL

@@ -318,7 +318,7 @@ class ModelRunner:
             # ``done``: _finish runs in the pass of the event loop that settles the batch, not one pass later
             fut = asyncio.ensure_future(ex.pipeline(args, token[1], done=finish))
         else:
-            fut = asyncio.ensure_future(ex.submit(execute_batch, *args))
+            fut = asyncio.ensure_future(ex.submit(execute_batch, *args, key=batch[0].key))
         self._running.add(fut)
         fut.add_done_callback(finish)  # (for a pipelined batch: only if ``done`` never ran, e.g. cancelled)
 

@@ -130,7 +130,7 @@ class SleepExecutor:
         result.times = (0.0, took, 0.0)
         return result
 
-    def submit(self, fn, *args: Any):
+    def submit(self, fn, *args: Any, key: Any = None):
         return asyncio.ensure_future(self._run(fn, args))
 
     def close(self) -> None:

@@ -130,6 +130,30 @@ async def test_an_inline_context_stays_inline_until_its_average_passes_leave_fac
     ex.close()
 
 
+async def test_a_shape_not_measured_cheap_runs_on_the_thread_even_when_the_context_runs_inline():
+    """A model with dynamic dims: its small batches run inline, and the first batch of a new shape goes to the
+    thread (where a 5500x5500 MatMul once held the event loop for seconds: a new user's report). A new shape that
+    costs little there runs inline from its next batch; one that costs more than PROBE_FACTOR x the bound never."""
+    ex = ThreadExecutor(FakeContext(), "t", inline_s=100e-6)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    for _ in range(INLINE_AFTER + 2):  # the shape's first batch, then INLINE_AFTER measured on the thread
+        await ex.submit(batch, threads, key="4x4")
+    assert threads[-1] == loop_thread  # small, cheap: inline
+    await ex.submit(batch, threads, 0.02, key="5500x5500")  # 20 ms: a shape never seen
+    assert threads[-1] != loop_thread
+    for _ in range(3):
+        await ex.submit(batch, threads, 0.02, key="5500x5500")
+        assert threads[-1] != loop_thread  # measured far over the bound: never inline
+    await ex.submit(batch, threads, key="4x4")
+    assert threads[-1] == loop_thread  # the cheap shape still runs inline
+    await ex.submit(batch, threads, key="8x8")  # new, cheap on the thread...
+    assert threads[-1] != loop_thread
+    await ex.submit(batch, threads, key="8x8")
+    assert threads[-1] == loop_thread  # ...then inline
+    ex.close()
+
+
 async def test_no_inline_execution_when_disabled_or_when_the_context_owns_its_thread():
     threads: list[int] = []
     never = ThreadExecutor(FakeContext(), "t", inline_s=0.0)

@@ -156,7 +156,7 @@ async def test_a_reload_makes_room_for_its_estimate_and_gives_back_a_load_over_t
     r, _ = repo([{"name": "a"}, {"name": "b"}], loader, load_strategy="lru", memory_budget_mb=100)
     for name in "ab":
         r.release(await r.acquire(r.slot(name)))
-    a, b = r.slot("a"), r.slot("b")
+    a = r.slot("a")
     old_loaded = a.loaded
     with pytest.raises(Unavailable, match=re.escape("model 'a' needs 120 MB, more than the whole memory budget (100 MB)")):
         await r.reload(a, instances(a.cfg, 4))  # 4 x 30 MB: more than the whole budget
