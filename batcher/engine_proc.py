@@ -75,8 +75,7 @@ class _Request:
         conn.leased -= 1
         if self.concluded:
             conn.channel.send((RELEASE, self.rid))
-        if not conn.leased and not conn.requests:
-            conn._idle.set()
+        conn.check_idle()
 
     def done_reading(self) -> None:
         """Nothing here reads the inputs any more (the scheduler's own hold lasts until its batch is done)."""
@@ -209,6 +208,10 @@ class FrontendConnection:
 
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
+        self.check_idle()
+
+    def check_idle(self) -> None:
+        """Set ``_idle`` once no request is in progress and no batch reads ``area`` any more."""
         if not self.requests and not self.leased:
             self._idle.set()
 

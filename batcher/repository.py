@@ -339,13 +339,17 @@ class ModelRepository(ModelSlots):
             await self._make_room(slot, self._reload_estimate(slot, cfg))
             kept = ("cfg", "loaded", "runner", "measured_bytes", "footprint_bytes", "device_bytes")
             old = {k: getattr(slot, k) for k in kept}
+
+            def restore() -> None:  # the old load serves on
+                for k, v in old.items():
+                    setattr(slot, k, v)
+
             loaded, rss0 = await self._open(slot, cfg)
             slot.cfg, slot.measured_bytes = cfg, None
             try:
                 await self._attach(slot, loaded)
             except BaseException:
-                for k, v in old.items():
-                    setattr(slot, k, v)
+                restore()
                 raise
             if old["measured_bytes"] is not None and cfg.path == old["cfg"].path:
                 # the same file: the new load grew into the heap the old one left or shares, so its own growth
@@ -356,8 +360,7 @@ class ModelRepository(ModelSlots):
                     await self._make_room(slot)
                 except Unavailable as exc:
                     new_runner = slot.runner
-                    for k, v in old.items():
-                        setattr(slot, k, v)
+                    restore()
                     if new_runner is not None:
                         await new_runner.close()
                     await asyncio.to_thread(loaded.release)
@@ -391,9 +394,7 @@ class ModelRepository(ModelSlots):
     def _reload_estimate(self, slot: ModelSlot, cfg: ModelConfig) -> int:
         """What ``slot`` would count with ``cfg`` before that load is measured: ``cfg.memory_mb``; for the same
         file, what it counts now, scaled up by the instances added; else the pre-load formula."""
-        if cfg.memory_mb is not None:
-            return int(cfg.memory_mb * MiB)
-        if slot.measured_bytes is not None and cfg.path == slot.cfg.path:
+        if cfg.memory_mb is None and slot.measured_bytes is not None and cfg.path == slot.cfg.path:
             return slot.measured_bytes * max(cfg.instances, slot.cfg.instances) // max(1, slot.cfg.instances)
         return ModelSlot.estimate(cfg)
 
