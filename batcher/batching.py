@@ -14,15 +14,16 @@ Rules:
   priority level, so low priorities are never starved longer than that bound.
 * With allowed batch sizes (:mod:`batcher.batch_sizes`), when the queue holds more rows of the key than one batch
   can take and the batch above would be padded, the batch is formed of exactly the allowed size it would be padded
-  to where whole requests can fill it (Triton's meaning of ``preferred_batch_size``): same execution, more real
-  rows, the rest in the next batch.
+  to where whole requests can fill it: same execution, more real rows, the rest in the next batch.
+* With ``preferred_batch_size``, the batch goes at once at the largest preferred size its leading requests reach,
+  the rest staying queued (Triton's rule, :func:`preferred_cut`).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,14 +191,42 @@ def exact_fill(candidates: Sequence[Pending], target: int) -> list[Pending] | No
 
 
 def batch_is_full(rows: int, max_batch_size: int, preferred_batch_sizes: Sequence[int] = ()) -> bool:
-    """Whether a batch of ``rows`` should go now instead of waiting out the queue delay.
+    """Whether ``rows`` of one key are enough for a batch to go now instead of waiting out the queue delay.
 
-    It goes at ``max_batch_size`` rows or at the largest preferred batch size (Triton's
-    ``preferred_batch_size``: reaching it is as good as full).
+    They are at ``max_batch_size`` rows, and at the largest preferred batch size: from there on
+    :func:`preferred_cut` always finds a batch to send at once (which may hold fewer rows).
     """
     if rows >= max_batch_size:
         return True
-    return bool(preferred_batch_sizes) and rows >= preferred_batch_sizes[-1]
+    return bool(preferred_batch_sizes) and rows >= max(preferred_batch_sizes)
+
+
+def preferred_cut(batch: Sequence[Pending], preferred_batch_sizes: Collection[int]) -> int:
+    """How many of ``batch``'s leading requests go at once by the preferred batch sizes; 0: none do (wait).
+
+    Triton's rule (``DynamicBatchScheduler::GetDynamicBatch``, triton-inference-server/core
+    ``src/dynamic_batch_scheduler.cc``), walking the batch in order and counting each request's rows:
+
+    * the largest preferred size that the leading requests sum to exactly goes at once, the rest of the batch
+      staying queued (preferred [4, 8], 10 rows queued: 8 go);
+    * when no preferred size is reached before the next request would pass the largest preferred size, the
+      requests before it go at once (3 + 3 + 3 rows with [4, 8]: 6 go), a lone request past it alone;
+    * otherwise 0: the batch waits for more requests until its window closes, then goes as it is.
+
+    The caller applies it only while the batch's window is open (or there is no window): Triton sends a batch whose
+    queue delay has expired as it is, up to ``max_batch_size`` rows. The sizes may come in any order.
+    """
+    if not preferred_batch_sizes:
+        return 0
+    largest = max(preferred_batch_sizes)
+    rows = best = 0
+    for i, p in enumerate(batch):
+        if i and rows + p.rows > largest:
+            return best or i
+        rows += p.rows
+        if rows in preferred_batch_sizes:
+            best = i + 1
+    return best or (1 if rows > largest else 0)
 
 
 class BatchTimes:
@@ -277,14 +306,14 @@ def arrival_may_end_window(now: float, window_end: float | None, deadline: float
 
     Always, unless the batcher is waiting out a batch window that ends at ``window_end`` and has not ended: then the
     window's timer wakes it, and an arrival matters only if it may close the window sooner. The window closes when
-    the batch is full (:func:`batch_is_full`: the largest preferred size or the maximum; the batch's rows are at
-    most the ``queued_rows``) or at ``first arrival + delay`` (:func:`window_wait`), earlier for
-    a deadline. The newest arrival cannot move its own shape's first arrival earlier, so only its deadline or, with
-    ``priority_levels`` above 1, a batch led by another shape's older requests can. Not waking saves the batcher a
-    task switch, a re-plan and a new timer per arrival.
+    the batch reaches the maximum or a preferred size (:func:`preferred_cut`; either takes at least the smallest of
+    them in rows, and the batch's rows are at most the ``queued_rows``) or at ``first arrival + delay``
+    (:func:`window_wait`), earlier for a deadline. The newest arrival cannot move its own shape's first arrival
+    earlier, so only its deadline or, with ``priority_levels`` above 1, a batch led by another shape's older
+    requests can. Not waking saves the batcher a task switch, a re-plan and a new timer per arrival.
     """
     return (window_end is None or now >= window_end or deadline is not None or priority_levels > 1
-            or batch_is_full(queued_rows, max_batch_size, preferred_batch_sizes))
+            or queued_rows >= min((max_batch_size, *preferred_batch_sizes)))
 
 
 def worth_waiting(mean_gap_s: float, delay_s: float) -> bool:

@@ -95,6 +95,10 @@ class ServerConfig(_Strict):
     repository_api: bool = False
     #: when set, repository requests need ``Authorization: Bearer <token>``.
     repository_token: str | None = None
+    #: the token read from this file instead (its content, without surrounding whitespace; read once, when the
+    #: config is loaded): a Kubernetes Secret mounted as a volume, rather than the token in a ConfigMap. An
+    #: absolute path (a relative one is taken from the working directory).
+    repository_token_file: str | None = None
     #: a directory in Triton's repository layout (``<model>/<version>/model.onnx``, KServe's /mnt/models): every
     #: model in it is served besides ``models`` (:mod:`batcher.model_repository`); relative to the config file.
     model_repository: str | None = None
@@ -138,6 +142,10 @@ class ServerConfig(_Strict):
     #: by ``python -m bench.body_cpu`` on 2 cores: front-end CPU per 602 KB binary request 0.69 of what it is
     #: without (two runs), requests/s 1.20 and 1.08 times (bench/results/body_cpu)
     keep_heap: bool = True
+    #: multi-process mode: a front end or engine process whose event loop has not run for this many seconds
+    #: (SIGSTOP, a deadlock, a C call holding the GIL) is killed and restarted as if it had died
+    #: (batcher.heartbeat); null: never. Raise it for models whose load holds the GIL longer.
+    stall_timeout_s: float | None = Field(30.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +155,24 @@ class ServerConfig(_Strict):
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > DEFAULT_MAX_INFLIGHT_BODY_BYTES:
                 data = {**data, "max_inflight_body_bytes": limit}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_file(cls, data: Any) -> Any:
+        """``repository_token_file``'s content becomes ``repository_token``."""
+        path = data.get("repository_token_file") if isinstance(data, dict) else None
+        if not isinstance(path, str):
+            return data  # absent, or not a string: the field's own check says so
+        if data.get("repository_token") is not None:
+            raise ValueError("set repository_token or repository_token_file, not both")
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"repository_token_file {path!r} cannot be read: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+        if not token:
+            raise ValueError(f"repository_token_file {path!r} is empty")
+        return {**data, "repository_token": token}
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:

@@ -29,7 +29,7 @@ from .config import Config
 from .errors import BatcherError, ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
 from .executor import Executor, ThreadExecutor, executor_for
 from .metrics import Metrics
-from .outcomes import FRONTEND_LOST, CountedLater, Inflight, Started
+from .outcomes import CountedLater, Inflight, Started, cancel_reason
 from .protocol import InferRequest, InferResponse
 from .repository import READY, ModelRepository, ModelSlot
 from .retention import ThroughputTracker
@@ -213,7 +213,7 @@ class DataPlane:
             self._count(owner, exc.reason, received)
             raise
         except asyncio.CancelledError as exc:
-            self._count(owner, "dropped" if exc.args == (FRONTEND_LOST,) else "canceled", received)
+            self._count(owner, cancel_reason(exc.args[0] if exc.args else None), received)
             raise
         except Exception:
             self._count(owner, "other", received)
@@ -306,7 +306,8 @@ class DataPlane:
         """Whether the model version is servable now (Kubernetes/KServe per-model probes).
 
         Rule: the server is ready, and the version is READY - or, under ``lazy``/``lru``, it would be loaded by
-        its next request (not unloaded through the repository API, last load not failed).
+        its next request (not unloaded through the repository API, last load not failed, not larger than the whole
+        memory budget).
 
         Raises:
             ModelNotFound: unknown model or version.
@@ -316,7 +317,8 @@ class DataPlane:
             return False
         if slot.state == READY:
             return True
-        return self.repository.strategy != "eager" and not slot.sticky_unloaded and not slot.failed
+        return (self.repository.strategy != "eager" and not slot.sticky_unloaded and not slot.failed
+                and self.repository.too_large(slot) is None)
 
     async def signature(self, model: str, version: str | None = None) -> tuple[ModelSlot, ModelSignature]:
         """The slot and its served signature; a model never loaded yet is loaded (lazy/lru) to learn it.

@@ -8,7 +8,8 @@ else runs :meth:`DataPlane.infer` as a task, with ``read`` = the request of the 
 outputs. Either way the inputs are views of the shared area (no copy), the outputs go to the front end (RESULT),
 and the front end's ACK - ok, too late, or failed - settles the outcome (:class:`batcher.outcomes.CountedLater`),
 so it is counted once, here, after delivery, as in single-process mode. ABORT (the client went away) cancels the
-request, or settles an answer sent but not yet acknowledged (counted ``canceled``); a front end that dies cancels
+request, or settles an answer sent but not yet acknowledged (counted ``canceled``; ``timeout`` when the front end
+answered 504 itself, :data:`batcher.outcomes.OVERDUE`); a front end that dies cancels
 every request it had and settles its answers not yet acknowledged (counted ``dropped``).
 
 A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
@@ -35,8 +36,9 @@ import numpy as np
 
 from .config import Config
 from .dataplane import DataPlane
-from .outcomes import FRONTEND_LOST, CountedLater
+from .outcomes import FRONTEND_LOST, CountedLater, cancel_reason
 from .errors import BatcherError, RemoteError
+from .heartbeat import beat
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
 from .loader import load_model
@@ -163,13 +165,14 @@ class FrontendConnection:
             later = self.acks.pop(msg[1], None)
             if later is not None:
                 later.settle(None if msg[2] is None else msg[2][1])
-        elif kind == ABORT:
+        elif kind == ABORT:  # (ABORT, rid) or (ABORT, rid, OVERDUE): its front end answered 504 itself
+            reason = msg[2] if len(msg) > 2 else None
             req = self.requests.get(msg[1])
             if req is not None:
-                req.cancel()
+                req.cancel(reason)
             later = self.acks.pop(msg[1], None)
             if later is not None:
-                later.settle("canceled")
+                later.settle(cancel_reason(reason))
             self._free_outputs(msg[1])
         elif kind == CALL:
             asyncio.get_running_loop().create_task(self._call(*msg[1:]))
@@ -407,10 +410,23 @@ def engine_loader(device: int | None):
     return load
 
 
-async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder) -> int:
+async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder,
+                     heartbeat: Any = None) -> int:
     """Load the models of ``engine``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
     code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
-    ``("error", message)``."""
+    ``("error", message)``; ``heartbeat`` (a :class:`batcher.heartbeat.Heartbeat`) beats from before the
+    models load until the end."""
+    beating = asyncio.get_running_loop().create_task(beat(heartbeat)) if heartbeat is not None else None
+    try:
+        return await _serve(config, engine, path, ready, devices)
+    finally:
+        if beating is not None:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+
+async def _serve(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder) -> int:
     from .errors import ConfigError
     from .supervisor import freeze_heap
 
@@ -440,7 +456,7 @@ async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devi
     return 0
 
 
-def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready: Any) -> None:
+def engine_main(config: Config, engine: Engine, path: str, log_level: str, heartbeat: Any, ready: Any) -> None:
     """The engine process (``multiprocessing`` spawn target): pins its device first (``CUDA_VISIBLE_DEVICES``
     lists it first, :class:`batcher.topology.DeviceOrder`)."""
     from .supervisor import child_setup, run, set_device_options, set_switch_interval
@@ -452,4 +468,4 @@ def engine_main(config: Config, engine: Engine, path: str, log_level: str, ready
     child_setup(f"engine {engine.name}", log_level, config.server.keep_heap)
     set_switch_interval(config.server.gil_switch_interval_us)
     set_device_options(config.server)
-    sys.exit(run(run_engine(config, engine, path, ready, devices), config.server.event_loop))
+    sys.exit(run(run_engine(config, engine, path, ready, devices, heartbeat), config.server.event_loop))

@@ -9,6 +9,7 @@ processes is :mod:`batcher.remote`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,7 +17,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from .config import Config, ModelConfig
-from .dataplane import late_answer
+from .dataplane import late_answer, request_deadline
 from .outcomes import Inflight
 from .errors import BatcherError, RemoteError, Unavailable
 from .ipc import CANCELED, RESULT, error_tuple
@@ -30,6 +31,11 @@ from .topology import Engine, engine_slots, engines, model_engines, weight
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: a request whose engine process has not answered this many seconds after its deadline (stopped, or stuck; it
+#: answers 504 itself at the deadline otherwise) is answered 504 by its front end
+#: (:meth:`batcher.remote.EngineLink.expire`, looked for every half of it: within 0.5-0.75 s of the deadline).
+OVERDUE_S = 0.5
 
 
 class RemoteDataPlane:
@@ -45,7 +51,7 @@ class RemoteDataPlane:
         self.metrics = metrics
         self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
-        self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions)
+        self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions, self._count_lost)
                       for e in engines(config)]
         by_engine = {link.engine: link for link in self.links}
         self._links_of = {(m.name, str(m.version)): [by_engine[e] for e in model_engines(config, m)]
@@ -54,6 +60,7 @@ class RemoteDataPlane:
         self._rids = itertools.count()
         self._started = False
         self._draining = False
+        self._expiring: asyncio.Task | None = None
         self._registered_here: set[tuple[str, str]] = set()  # (kind, name) of the regions registered through here
 
     # ---------------------------------------------------------------- lifecycle
@@ -66,7 +73,17 @@ class RemoteDataPlane:
         """Connect to every engine process (they are ready before front ends start; one being restarted when this
         front end starts again is connected to once it is back, :meth:`EngineLink.start`)."""
         await asyncio.gather(*(link.start() for link in self.links))
+        self._expiring = asyncio.get_running_loop().create_task(self._expire())
         self._started = True
+
+    async def _expire(self) -> None:
+        """Every ``OVERDUE_S / 2``: answer 504 the requests whose engine process has not answered ``OVERDUE_S``
+        after their deadline (:meth:`EngineLink.expire`). Runs until :meth:`close`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(OVERDUE_S / 2)
+            for link in self.links:
+                link.expire(loop.time() - OVERDUE_S)
 
     async def _restore_regions(self, link: EngineLink) -> None:
         """An engine process that restarted has lost the shared-memory regions clients registered while its siblings
@@ -110,6 +127,10 @@ class RemoteDataPlane:
 
     async def close(self) -> None:
         self._draining = True
+        if self._expiring is not None:
+            self._expiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiring
         await asyncio.gather(*(link.close() for link in self.links))
 
     # ---------------------------------------------------------------- inference
@@ -185,7 +206,8 @@ class RemoteDataPlane:
                               "restarted", retry_after_s=1)
         link, cfg = route
         rid = next(self._rids)
-        outcome = link.submit(rid, cfg, received, request, failure)
+        deadline = request_deadline(received, request.timeout_us, cfg.default_timeout_s) if request else None
+        outcome = link.submit(rid, cfg, received, request, failure, deadline)
         try:
             msg = await outcome
         except asyncio.CancelledError:
@@ -223,6 +245,12 @@ class RemoteDataPlane:
             outcomes.duration.observe(asyncio.get_running_loop().time() - received)
         else:
             outcomes.failure(reason).inc()
+
+    def _count_lost(self, key: tuple[str, str], reason: str) -> None:
+        """:meth:`_count_here` for an outcome of model version ``key`` that its engine process died without
+        counting (:attr:`EngineLink.count_lost`)."""
+        outcomes = self.metrics.outcomes(*key)
+        outcomes.failure(reason).inc()
 
     def _served_cfgs(self, name: str) -> list[ModelConfig]:
         return [self.catalog.slots[name][v].cfg for v in self.catalog.served_versions(name)]
@@ -388,20 +416,22 @@ def merge_index(models: list[ModelConfig], docs: list[tuple[set[tuple[str, str]]
 
 # ---------------------------------------------------------------------------------------------- process entry
 def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: str, port: int, access_log: bool,
-                  log_level: str, ready: Any) -> None:
+                  log_level: str, heartbeat: Any, ready: Any) -> None:
     """A front-end process (``multiprocessing`` spawn target): the HTTP app on ``host:port`` with
     ``SO_REUSEPORT``, until SIGTERM (drain, then exit) or SIGINT. ``ready`` gets ``("ready", pid)`` once it
-    listens."""
+    listens; ``heartbeat`` (:class:`batcher.heartbeat.Heartbeat`) beats while the app runs."""
     import os
 
     from aiohttp import web
 
     from .app import create_app
+    from .heartbeat import beat_ctx
     from .supervisor import child_setup, freeze_on_startup, new_event_loop
 
     child_setup(f"frontend {index}", log_level, config.server.keep_heap)
     app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
     app.on_startup.append(freeze_on_startup)
+    app.cleanup_ctx.append(beat_ctx(heartbeat))
     web.run_app(
         app, host=host, port=port, reuse_port=True, backlog=config.server.listen_backlog,
         loop=new_event_loop(config.server.event_loop),

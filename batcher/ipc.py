@@ -51,7 +51,8 @@ _HELLO_MAX = 1 << 16
 #: (``fields``: :func:`request_fields`; ``inputs``: :func:`pack_tensors`; ``failure``: :func:`error_tuple` of what
 #: reading it raised, :data:`CANCELED`, or None).
 REQ = 1
-#: ``(ABORT, rid)``: the client went away; cancel it.
+#: ``(ABORT, rid)``: the client went away; cancel it. ``(ABORT, rid, OVERDUE)``: the front end answered 504 itself,
+#: the request's deadline having passed without an answer (:data:`batcher.outcomes.OVERDUE`; counted ``timeout``).
 ABORT = 2
 #: ``(ACK, rid, error)``: the answer to RESULT was delivered (error None) or not (its :func:`error_tuple`).
 ACK = 3

@@ -11,7 +11,8 @@ flight, none queued and none waiting for their load (such a model is pinned). To
 2. otherwise evict candidates in least-recently-used order until ``F`` bytes are free.
 
 If the candidates together cannot free ``F``, nothing is evicted and the load is refused (503 naming the budget,
-the need and the pinned models).
+the need and the pinned models). A newcomer larger than the whole budget is refused as such (:class:`TooLarge`): no
+eviction can ever make room for it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class Candidate(Generic[K]):
 
 class NoRoom(Exception):
     """The budget cannot hold the newcomer beside the pinned models; ``args[0]`` says why."""
+
+
+class TooLarge(NoRoom):
+    """The newcomer alone exceeds the whole budget: no eviction can make room for it."""
 
 
 def choose_victims(candidates: Sequence[Candidate[K]], free_bytes: int) -> list[K]:
@@ -77,12 +82,12 @@ class MemoryBudget:
             pinned: descriptions of the models that cannot be evicted, for the message.
 
         Raises:
-            NoRoom: the newcomer alone exceeds the budget, or the idle models cannot free enough.
+            TooLarge: the newcomer alone exceeds the budget. NoRoom: the idle models cannot free enough.
         """
         budget = self.budget_bytes
         if need > budget:
-            raise NoRoom(f"model '{name}' needs {need / MiB:.0f} MB, more than the whole memory budget "
-                         f"({budget / MiB:.0f} MB)")
+            raise TooLarge(f"model '{name}' needs {need / MiB:.0f} MB, more than the whole memory budget "
+                           f"({budget / MiB:.0f} MB)")
         try:
             return choose_victims(candidates, used_by_others + need - budget)
         except NoRoom:

@@ -129,8 +129,9 @@ class InstanceGroup(_Strict):
     count: int = Field(1, ge=1, le=64)
     kind: Literal["KIND_CPU", "KIND_GPU"] = "KIND_CPU"
     gpus: list[int] | None = None
-    #: routing.strategy weighted: the group's share of requests on each of its GPUs (default 1; this server's key)
-    weight: int | None = Field(None, ge=0, le=1_000_000)
+    #: routing.strategy weighted: the group's share of requests on each of its GPUs (this server's key; Triton's
+    #: groups have none). 0: the group takes no weighted or hashed requests.
+    weight: int = Field(1, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _gpus(self) -> InstanceGroup:
@@ -157,7 +158,8 @@ class DynamicBatching(_Strict):
 
     #: how long a batch may wait for more rows, counted from its first queued request (microseconds).
     max_queue_delay_microseconds: int = Field(0, ge=0, le=10_000_000)
-    #: batch sizes the batcher dispatches at as soon as it reaches them (reaching the largest is as good as full).
+    #: batch sizes sent as soon as the queue's leading requests reach one: the largest reachable, the rest waiting
+    #: (Triton's rule, :func:`batcher.batching.preferred_cut`). Any order; kept as written, as Triton keeps it.
     preferred_batch_size: list[int] = []
     #: priority levels: a request's ``parameters.priority`` 1..N, 1 served first; 0 or none means
     #: default_priority_level (default: the middle level).
@@ -180,7 +182,7 @@ class DynamicBatching(_Strict):
     def _preferred(cls, v: list[int]) -> list[int]:
         if any(p < 1 for p in v):
             raise ValueError(f"preferred batch sizes must be >= 1, got {v}")
-        return sorted(set(v))
+        return v
 
     @model_validator(mode="after")
     def _levels(self) -> DynamicBatching:

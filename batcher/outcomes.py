@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 
 #: the message a request's task is cancelled with when the front-end process holding it died (counted ``dropped``).
 FRONTEND_LOST = "front end lost"
+#: the message a request is cancelled with when its front end answered 504 itself, the engine process not having
+#: answered by the request's deadline (:meth:`batcher.remote.EngineLink.overdue`; counted ``timeout``).
+OVERDUE = "overdue"
+
+
+def cancel_reason(message: str | None) -> str:
+    """The failure reason a request cancelled with ``message`` is counted under: ``dropped``
+    (:data:`FRONTEND_LOST`), ``timeout`` (:data:`OVERDUE`), else ``canceled`` (its client went away)."""
+    return "dropped" if message == FRONTEND_LOST else "timeout" if message == OVERDUE else "canceled"
 
 
 class CountedLater:
@@ -68,12 +77,12 @@ class Started:
         self._task: asyncio.Task | None = None
 
     def cancel(self, reason: str | None = None) -> None:
-        """The client (``reason`` :data:`FRONTEND_LOST`: its front-end process) went away: a queued request is never
-        executed; counted ``canceled`` (``dropped``) and ended without an answer - also when its batch has ended
-        and the answer is not handed over yet - unless its outcome was handed over already."""
+        """The client went away (``reason``: :func:`cancel_reason`'s message): a queued request is never executed;
+        counted under :func:`cancel_reason` and ended without an answer - also when its batch has ended and the
+        answer is not handed over yet - unless its outcome was handed over already."""
         if self._pending is None or self._reason is not None:  # its outcome was handed over, or cancelled before
             return
-        self._reason = "dropped" if reason == FRONTEND_LOST else "canceled"
+        self._reason = cancel_reason(reason)
         self._runner.withdraw(self._pending)
         if self._task is not None:
             self._task.cancel()

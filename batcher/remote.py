@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
-from .errors import RemoteError, Unavailable
+from .errors import DeadlineExceeded, RemoteError, Unavailable
+from .outcomes import OVERDUE
 from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, pack_tensors, recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
@@ -48,15 +49,16 @@ class EngineLost(Unavailable):
 
 
 class _Sent:
-    """A request sent to an engine: the future of its outcome message, its model version's status index, and its
-    input blocks until released."""
+    """A request sent to an engine: the future of its outcome message, its model version's status index, its input
+    blocks until released, and its deadline (event-loop seconds; None: none)."""
 
-    __slots__ = ("future", "slot", "blocks")
+    __slots__ = ("future", "slot", "blocks", "deadline")
 
-    def __init__(self, future: asyncio.Future, slot: int, blocks: list[int]) -> None:
+    def __init__(self, future: asyncio.Future, slot: int, blocks: list[int], deadline: float | None) -> None:
         self.future = future
         self.slot = slot
         self.blocks = blocks
+        self.deadline = deadline
 
 
 class BodyBuffer:
@@ -85,8 +87,11 @@ class EngineLink:
     """One front end's connection to one engine process (reconnected after the engine process restarts)."""
 
     def __init__(self, engine: Engine, path: str, keys: list[tuple[str, str]],
-                 on_reconnect: Callable[[EngineLink], Awaitable[None]] | None = None) -> None:
-        """``on_reconnect``: awaited each time the link is back after its engine process restarted."""
+                 on_reconnect: Callable[[EngineLink], Awaitable[None]] | None = None,
+                 count_lost: Callable[[tuple[str, str], str], None] | None = None) -> None:
+        """``on_reconnect``: awaited each time the link is back after its engine process restarted.
+        ``count_lost(key, reason)``: counts, in the front end, an outcome the engine process died without counting
+        (a request answered by :meth:`expire`)."""
         self.engine = engine
         self.on_reconnect = on_reconnect
         self.name = f"engine process for {engine.name}"
@@ -103,6 +108,8 @@ class EngineLink:
         self._bodies: dict[int, BodyBuffer] = {}  # bodies read into the area, not handed to a request yet
         self._outstanding = [0] * len(keys)  # this front end's requests without an outcome, per model version
         self._calls: dict[int, asyncio.Future] = {}
+        self.count_lost = count_lost
+        self._overdue: dict[int, tuple[str, str]] = {}  # answered by expire(), not heard of from the engine yet
         self._cids = itertools.count()
         self._reconnecting: asyncio.Task | None = None
         self._closing = False
@@ -165,6 +172,10 @@ class EngineLink:
                 fut.exception()
         self._sent.clear()
         self._calls.clear()
+        overdue, self._overdue = self._overdue, {}
+        if self.count_lost is not None:
+            for key in overdue.values():  # it died before it could count them
+                self.count_lost(key, "timeout")
         self._outstanding = [0] * len(self.keys)
         if self._area is not None:
             self._area.close()  # unmapped once the last view of it goes
@@ -210,6 +221,8 @@ class EngineLink:
             sent = self._sent.get(rid)
             if sent is None:
                 return
+            if self._overdue:
+                self._overdue.pop(rid, None)  # the engine counts it: an ERROR it sent, or RESULT settled by ABORT
             if sent.slot >= 0:
                 self._outstanding[sent.slot] -= 1
                 sent.slot = -1
@@ -260,8 +273,9 @@ class EngineLink:
                     blocks.append(body.offset)
 
     def submit(self, rid: int, cfg: ModelConfig, received: float, request: InferRequest | None,
-               failure: Any) -> asyncio.Future:
-        """Send one request (its tensors through the shared area); the future gets its RESULT/ERROR message."""
+               failure: Any, deadline: float | None = None) -> asyncio.Future:
+        """Send one request (its tensors through the shared area); the future gets its RESULT/ERROR message, or
+        DeadlineExceeded from :meth:`expire`."""
         entries, blocks, fields = [], [], None
         if request is not None:
             entries, blocks = pack_tensors(request.inputs, self._area, self._inputs)
@@ -271,7 +285,7 @@ class EngineLink:
         fut = asyncio.get_running_loop().create_future()
         slot = self.index[(cfg.name, str(cfg.version))]
         self._outstanding[slot] += 1
-        self._sent[rid] = _Sent(fut, slot, blocks)
+        self._sent[rid] = _Sent(fut, slot, blocks, deadline)
         self._channel.send((REQ, rid, cfg.name, str(cfg.version), received, fields, entries, failure))
         return fut
 
@@ -283,6 +297,24 @@ class EngineLink:
     def abort(self, rid: int) -> None:
         if self.connected:
             self._channel.send((ABORT, rid))
+
+    def expire(self, before: float) -> None:
+        """The requests whose deadline is before ``before`` (event-loop seconds; :data:`batcher.frontend.OVERDUE_S`
+        ago) without an outcome from the engine process (stopped, or stuck: it answers 504 itself at the deadline
+        otherwise): their futures get DeadlineExceeded now, and the engine process is sent ABORT with
+        :data:`batcher.outcomes.OVERDUE`, to count them ``timeout`` when it reads it (or this front end counts them,
+        :attr:`count_lost`, if the engine process dies first). Their input blocks stay the engine's until it
+        releases them."""
+        for rid, sent in self._sent.items():
+            if sent.deadline is None or sent.deadline >= before or sent.future.done():
+                continue
+            key = self.keys[sent.slot]
+            sent.future.set_exception(DeadlineExceeded(f"model '{key[0]}': no answer from the engine process by the "
+                                                       "request's deadline"))
+            sent.future.exception()  # retrieved: no "never retrieved" ERROR line if its waiter is gone
+            if self.connected:
+                self._overdue[rid] = key
+                self._channel.send((ABORT, rid, OVERDUE))
 
     def ack(self, rid: int, error: Any = None) -> bool:
         """Tell the engine process how RESULT ``rid`` was delivered (``error`` None: answered with it), so that it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from .config import Config, ModelConfig
 from .errors import BatcherError, ConfigError, ModelNotFound, Unavailable
 from .events import LifecycleEvents
 from .loader import Loaded, load_model, trim_heap
-from .lru import Candidate, MemoryBudget, NoRoom
+from .lru import Candidate, MemoryBudget, NoRoom, TooLarge
 from .metrics import Metrics
 from .scheduler import ModelRunner
 from .stats import Stats
@@ -47,6 +48,10 @@ MiB = 1 << 20
 #: Seconds after a failed load before a request may start another one (lazy/lru; the repository API's load always
 #: tries): a client cannot make the server retry a broken model, and log its failure, once per request.
 LOAD_RETRY_S = 5.0
+
+#: ``Retry-After`` of the answers for a model that is not loaded and that no request can load now: unloaded through
+#: the repository API, failed under ``eager``, or larger than the whole memory budget.
+NOT_LOADED_RETRY_S = math.ceil(LOAD_RETRY_S)
 
 #: Triton's model states (repository extension).
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
@@ -141,6 +146,11 @@ class ModelSlots:
         self.slots: dict[str, dict[str, ModelSlot]] = {}
         for i, cfg in enumerate(config.models):
             selected = cfg.version in selected_versions(by_name[cfg.name]) and (serves is None or serves(cfg))
+            # every version's config carries the model's version_policy (read from its highest version): what its
+            # GET config shows and what a load's config is checked against, as Triton's versions share one config
+            policy = max(by_name[cfg.name], key=lambda c: c.version).version_policy
+            if cfg.version_policy != policy:
+                cfg = cfg.model_copy(update={"version_policy": policy})
             self.slots.setdefault(cfg.name, {})[str(cfg.version)] = ModelSlot(cfg, f"models[{i}]", selected)
         self._served = {name: sorted((v for v, s in versions.items() if s.selected), key=int)
                         for name, versions in self.slots.items()}
@@ -240,7 +250,13 @@ class ModelRepository(ModelSlots):
         self._loading.shutdown(wait=False)
 
     def start_load(self, slot: ModelSlot) -> None:
-        """Start loading an UNAVAILABLE ``slot`` (state LOADING; ``slot.task`` is the load)."""
+        """Start loading an UNAVAILABLE ``slot`` (state LOADING; ``slot.task`` is the load).
+
+        Raises:
+            Unavailable: it counts more than the whole memory budget (:meth:`too_large`): no load is started, the
+                slot stays UNAVAILABLE with that reason.
+        """
+        self._refuse_too_large(slot)
         slot.state, slot.reason = LOADING, "loading"
         slot.task = asyncio.create_task(self._load(slot), name=f"load-{slot.name}-{slot.version}")
         slot.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
@@ -249,7 +265,8 @@ class ModelRepository(ModelSlots):
         """Load ``slot`` now (repository API, eager start); returns when it is READY.
 
         Raises:
-            ConfigError: the model failed to load. Unavailable: it cannot fit the memory budget.
+            ConfigError: the model failed to load. Unavailable: it cannot fit the memory budget (now, or ever:
+                :meth:`too_large`).
         """
         slot.sticky_unloaded = False
         while slot.state == UNLOADING and slot.task is not None:
@@ -386,10 +403,12 @@ class ModelRepository(ModelSlots):
             await self._make_room(slot)
         except Unavailable:
             await self._unload(slot, "over the memory budget after loading")
-            slot.state, slot.reason = UNAVAILABLE, (
+            too_large = self.too_large(slot)  # then no later request loads it again (start_load)
+            slot.state, slot.reason = UNAVAILABLE, too_large or (
                 f"needs {slot.budget_bytes / MiB:.0f} MB as measured at load; the memory budget "
                 f"{self.budget.budget_bytes / MiB:.0f} MB cannot hold it beside the models in use")
-            raise Unavailable(f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
+            raise Unavailable(f"model '{slot.name}' version {slot.version} {too_large}" if too_large else
+                              f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
 
     def _reload_estimate(self, slot: ModelSlot, cfg: ModelConfig) -> int:
         """What ``slot`` would count with ``cfg`` before that load is measured: ``cfg.memory_mb``; for the same
@@ -397,6 +416,61 @@ class ModelRepository(ModelSlots):
         if cfg.memory_mb is None and slot.measured_bytes is not None and cfg.path == slot.cfg.path:
             return slot.measured_bytes * max(cfg.instances, slot.cfg.instances) // max(1, slot.cfg.instances)
         return ModelSlot.estimate(cfg)
+
+    def too_large(self, slot: ModelSlot) -> str | None:
+        """Why ``slot`` can never load under the memory budget, as its index reason: it counts more than the whole
+        budget (:attr:`ModelSlot.budget_bytes`: as measured at its first load, else its ``memory_mb``, else the
+        pre-load estimate), so no eviction can make room for it; None when it fits or there is no budget. Only
+        a new budget or a new config (a restart) changes that."""
+        if self.budget is None or slot.budget_bytes <= self.budget.budget_bytes:
+            return None
+        how = ("as measured at its load" if slot.measured_bytes is not None else "its memory_mb"
+               if slot.cfg.memory_mb is not None else
+               "estimated before its first load as (1 + 2 x instances) x file size + 32 MB; memory_mb sets it")
+        return (f"needs {slot.budget_bytes / MiB:.0f} MB ({how}), more than the whole memory budget "
+                f"({self.budget.budget_bytes / MiB:.0f} MB): no eviction can make room for it")
+
+    def _refuse_too_large(self, slot: ModelSlot) -> None:
+        """Raise :meth:`too_large`'s answer for ``slot`` (and make it the slot's reason), if it has one."""
+        why = self.too_large(slot)
+        if why is not None:
+            slot.reason = why
+            raise Unavailable(f"model '{slot.name}' version {slot.version} {why}", retry_after_s=NOT_LOADED_RETRY_S)
+
+    def admit(self, slot: ModelSlot) -> None:
+        """Whether the memory budget holds ``slot`` now, as its load would find it (``on_cold: reject``, which
+        answers before the load runs: a load that cannot fit is answered as it would be, not as "loading").
+
+        Raises:
+            Unavailable: :meth:`too_large`, or the models that would have to go are pinned (the slot's reason
+                becomes that answer; nothing is evicted).
+        """
+        self._refuse_too_large(slot)
+        try:
+            self._victims(slot, slot.budget_bytes)
+        except Unavailable as exc:
+            slot.reason = exc.message
+            raise
+
+    def _victims(self, newcomer: ModelSlot, need: int) -> list[ModelSlot]:
+        """What :mod:`batcher.lru` says to evict so that ``newcomer`` fits counting ``need`` bytes ([] without a
+        budget).
+
+        Raises:
+            Unavailable: the models that would have to go are pinned (Retry-After 1), or ``need`` alone exceeds the
+                budget (Retry-After :data:`NOT_LOADED_RETRY_S`).
+        """
+        if self.budget is None:
+            return []
+        others = [s for s in self.all() if s is not newcomer and s.loaded_or_unloading]
+        idle = [Candidate(s, s.budget_bytes, s.last_used) for s in others if s.state == READY and not s.pinned]
+        try:
+            return self.budget.victims(newcomer.name, need, sum(s.budget_bytes for s in others),
+                                       idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
+        except TooLarge as exc:
+            raise Unavailable(str(exc), retry_after_s=NOT_LOADED_RETRY_S) from None
+        except NoRoom as exc:
+            raise Unavailable(str(exc), retry_after_s=1) from None
 
     async def _make_room(self, newcomer: ModelSlot, need: int | None = None) -> None:
         """Evict what :mod:`batcher.lru` names so that ``newcomer`` fits, counting ``need`` bytes (default: its
@@ -407,14 +481,7 @@ class ModelRepository(ModelSlots):
         """
         if self.budget is None:
             return
-        need = newcomer.budget_bytes if need is None else need
-        others = [s for s in self.all() if s is not newcomer and s.loaded_or_unloading]
-        idle = [Candidate(s, s.budget_bytes, s.last_used) for s in others if s.state == READY and not s.pinned]
-        try:
-            victims = self.budget.victims(newcomer.name, need, sum(s.budget_bytes for s in others),
-                                          idle, [f"{s.name} ({s.budget_bytes / MiB:.0f} MB)" for s in others if s.pinned])
-        except NoRoom as exc:
-            raise Unavailable(str(exc), retry_after_s=1) from None
+        victims = self._victims(newcomer, newcomer.budget_bytes if need is None else need)
         # The heap an evicted model freed is kept for the newcomer (and later loads): giving it back to the OS
         # made a reload fault every page in again (1.4-1.8x ONNX Runtime's own time). Only a first load, whose
         # growth is what it counts, gets a trimmed heap.

@@ -1,7 +1,8 @@
 """Routing a request to the model version that will run it, and pinning that version while it runs.
 
 :meth:`Router.acquire` finds the slot ready - loading it first under ``lazy``/``lru`` (``on_cold: wait`` waits
-within the request's deadline, ``reject`` answers 503 while the load runs) - or goes to the model's ``fallback``
+within the request's deadline, ``reject`` answers 503 while the load runs, and what the load would answer when the
+memory budget cannot hold the model) - or goes to the model's ``fallback``
 when the model is unavailable or its queue holds ``fallback_queue_depth`` requests. A pinned slot (requests
 between :meth:`~Router.acquire` and :meth:`~Router.release`, or waiting for its load) is never evicted.
 """
@@ -13,7 +14,7 @@ import logging
 import math
 
 from .errors import ConfigError, DeadlineExceeded, Unavailable
-from .repository import LOAD_RETRY_S, READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
+from .repository import LOAD_RETRY_S, NOT_LOADED_RETRY_S, READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
 from .strategy import Strategy, Target
 from .topology import weight
 
@@ -48,8 +49,10 @@ class Router:
             deadline: event-loop time by which a load waited for must be done.
 
         Raises:
-            Unavailable: 503 + Retry-After - loading under ``on_cold: reject``, no room in the memory budget,
-                unloaded, load failed, shutting down. DeadlineExceeded: 504 - the load outlasted the deadline.
+            Unavailable: 503 + Retry-After - loading under ``on_cold: reject``, no room in the memory budget (now:
+                the same answer under ``reject`` as under ``wait``; or ever, larger than the whole budget: Retry-After
+                :data:`~batcher.repository.NOT_LOADED_RETRY_S`, no load tried), unloaded, load failed, shutting
+                down. DeadlineExceeded: 504 - the load outlasted the deadline.
         """
         cfg = slot.cfg
         if self.pin_ready(slot):  # the common case, without another coroutine
@@ -91,12 +94,14 @@ class Router:
             if slot.state == UNAVAILABLE:
                 if repo.strategy == "eager" or slot.sticky_unloaded:
                     raise Unavailable(f"model '{slot.name}' version {slot.version} is not loaded: {slot.reason}",
-                                      retry_after_s=5)
+                                      retry_after_s=NOT_LOADED_RETRY_S)
                 wait = slot.failed_at + LOAD_RETRY_S - loop.time() if slot.failed else 0.0
                 if wait > 0:  # failed a moment ago: not retried for every request (LOAD_RETRY_S)
                     raise Unavailable(f"model '{slot.name}' version {slot.version} is not available: {slot.reason}",
                                       retry_after_s=math.ceil(wait))
-                repo.start_load(slot)
+                if repo.config.server.on_cold == "reject":
+                    repo.admit(slot)  # a load that cannot fit the budget is answered as under wait, not "loading"
+                repo.start_load(slot)  # Unavailable, no load, for a model larger than the whole budget
             task = slot.task
             if task is None:  # finished between the checks
                 continue

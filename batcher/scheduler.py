@@ -14,10 +14,11 @@ The batcher loop, after Ray Serve's ``_BatchQueue.wait_for_batch``:
 * **Waits for** an idle executor first (so a batch is formed as late as possible and can hold everything that
   arrived meanwhile), then for the next batch (:meth:`ModelRunner._next_batch`): the most urgent queued request
   leads (:func:`batcher.batching.plan_batch`: priority, earliest deadline, arrival); the batch goes when it
-  reaches ``max_batch_size`` rows or the largest ``preferred_batch_size``, or when the window
-  (:func:`batcher.batching.window_wait`) closes: ``max_queue_delay_microseconds`` after the batch's first request
-  arrived, earlier when its earliest deadline needs the time to execute. New arrivals, expiries and cancels wake
-  it (``_wakeup``).
+  reaches ``max_batch_size`` rows, or at once cut to the largest ``preferred_batch_size`` its leading requests
+  reach (Triton's ``GetDynamicBatch``, :func:`batcher.batching.preferred_cut`: the rest stays queued), or whole
+  when the window (:func:`batcher.batching.window_wait`) closes: ``max_queue_delay_microseconds`` after the
+  batch's first request arrived, earlier when its earliest deadline needs the time to execute. New arrivals,
+  expiries and cancels wake it (``_wakeup``).
 * **Guarantees:** a request is in at most one batch; a batch never exceeds ``max_batch_size`` rows (the largest
   allowed batch size; the executor pads smaller batches up to an allowed size) and never splits a request; every
   request's future is settled exactly once - outputs, or the error for it - by whichever comes first of its
@@ -54,6 +55,7 @@ from .batching import (
     arrival_may_end_window,
     batch_is_full,
     plan_batch,
+    preferred_cut,
     priority_level,
     urgency,
     shape_key,
@@ -115,7 +117,7 @@ class ModelRunner:
         self._delay_s = db.max_queue_delay_microseconds / 1e6
         self._max_batch = signature.max_batch_size or 1  # no batch dimension: one request per execution
         self._allowed = signature.allowed_batch_sizes
-        self._preferred = tuple(db.preferred_batch_size)
+        self._preferred = tuple(sorted(set(db.preferred_batch_size)))  # any order, as Triton's std::set
         self._adaptive = db.adaptive_queue_delay
         self._levels = db.priority_levels
         self._default_level = db.default_priority_level or (db.priority_levels + 1) // 2
@@ -272,7 +274,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batcher
     def _full_queued(self) -> bool:
-        """Whether the queue holds a full batch's rows (:func:`batch_is_full`)."""
+        """Whether the queue holds rows enough for a batch to go at once (:func:`batch_is_full`)."""
         return batch_is_full(self._queued_rows, self._max_batch, self._preferred)
 
     async def _batcher(self) -> None:
@@ -343,15 +345,30 @@ class ModelRunner:
         A batch's end frees its token in the pass of the event loop that settles it; through the batcher task the
         next batch would leave two passes later (the token's queue wakes the task, which then runs), and at
         saturation one pass of the engine process's loop reads every front end's messages. Only full batches go
-        this way (:func:`batch_is_full`), which the batcher task would dispatch at once too, so batches are the
-        same and only leave sooner; anything else (a window, a deadline, parked lookahead tokens) stays with the
-        task. Measured on the H200 (README "Many front ends, shared memory, two GPUs", fifth session): throughput
-        equal to the code before within the spread between runs."""
+        this way (``max_batch_size`` rows, or cut to a preferred size: :meth:`_cut`), which the batcher task would
+        dispatch at once too, so batches are the same and only leave sooner; anything else (a window, a deadline,
+        parked lookahead tokens) stays with the task. Measured on the H200 (README "Many front ends, shared memory,
+        two GPUs", fifth session): throughput equal to the code before within the spread between runs."""
         while not self._closing and not self._idle.empty() and self._full_queued():
-            batch, rows = self._plan(self._loop.time())
-            if not batch or not batch_is_full(rows, self._max_batch, self._preferred):
+            now = self._loop.time()
+            batch, rows = self._plan(now)
+            cut = self._cut(batch, now)
+            if cut:
+                batch = batch[:cut]
+            elif rows < self._max_batch:
                 return
             self._dispatch(self._idle.get_nowait(), self._take(batch))
+
+    def _cut(self, batch: list[Pending], now: float) -> int:
+        """How many of the planned ``batch``'s leading requests go at once by the preferred batch sizes
+        (:func:`preferred_cut`); 0 when none do, and once the batch's window has expired: Triton then sends the
+        batch as it is, up to ``max_batch_size`` rows (``delay_is_exceeded`` in ``GetDynamicBatch``,
+        triton-inference-server/core ``src/dynamic_batch_scheduler.cc``). Without a window (delay 0) the preferred
+        sizes always apply, as there."""
+        if not self._preferred or not batch or (
+                self._delay_s and window_wait(now, min(p.arrival for p in batch), self._delay_s) <= 0):
+            return 0
+        return preferred_cut(batch, self._preferred)
 
     async def _next_batch(self) -> list[Pending]:
         while True:
@@ -361,10 +378,13 @@ class ModelRunner:
             if not batch:
                 await self._wakeup.wait()
                 continue
+            cut = self._cut(batch, now)
+            if cut:
+                return self._take(batch[:cut])
             deadlines = [p.deadline for p in batch if p.deadline is not None]
             wait = window_wait(now, min(p.arrival for p in batch), self._delay_s,
                                min(deadlines) if deadlines else None, self.times.estimate(rows))
-            if (wait <= 0 or batch_is_full(rows, self._max_batch, self._preferred)
+            if (wait <= 0 or rows >= self._max_batch
                     or (self._adaptive and not worth_waiting(self._gaps.mean_s, self._delay_s))):
                 return self._take(batch)
             timer = self._loop.call_later(max(wait, self._tick), self._wakeup.set)  # or an arrival wakes it

@@ -9,6 +9,8 @@ port 0 resolves once and no other program takes it meanwhile). Then it watches t
   ``dropped``); an engine process that dies is started again after a backoff (0.1 s doubling up to 5 s while it
   keeps dying), and until it is back its front ends answer 503 for its models; each restart counts in
   ``batcher_process_restart_total{process}``;
+* a process whose event loop has not run for ``server.stall_timeout_s`` (SIGSTOP, a deadlock) is killed, then
+  restarted as one that died (:mod:`batcher.heartbeat`);
 * SIGTERM: the front ends drain (readiness false, new requests 503 + Retry-After, every accepted request
   answered, at most ``server.shutdown_grace_s``) and exit; then the engine processes release their models and
   exit; exit code 0. SIGINT stops every process at once.
@@ -45,6 +47,7 @@ from typing import Any
 from .cli import bind_socket
 from .config import Config, ServerConfig
 from .errors import ConfigError
+from .heartbeat import Heartbeat
 from .lograte import EveryFewSeconds
 from .mps import MpsDaemon
 from .topology import engines
@@ -219,10 +222,16 @@ class _Child:
         self.backoff = 0.0
         self.restart_at: float | None = None
         self.is_ready = False
+        self.heartbeat: Heartbeat | None = None
 
     def start(self, ctx: Any) -> None:
+        """Start the process: ``target(*args, heartbeat, ready)``, with a new :class:`batcher.heartbeat.Heartbeat`
+        and the write end of a new readiness pipe."""
         r, w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=self.target, args=(*self.args, w), name=self.name)
+        if self.heartbeat is not None:
+            self.heartbeat.close()  # the previous process's
+        self.heartbeat = Heartbeat()
+        self.process = ctx.Process(target=self.target, args=(*self.args, self.heartbeat, w), name=self.name)
         self.process.start()
         w.close()
         self.ready, self.is_ready, self.started_at, self.restart_at = r, False, time.monotonic(), None
@@ -331,6 +340,7 @@ class Supervisor:
         self.stopping: str | None = None  # "drain" (SIGTERM) or "now" (SIGINT)
         self.announced = False
         self.drain_deadline = 0.0
+        self._checked_at = time.monotonic()  # the last stall check (:meth:`_kill_stalled`)
         from .engine_proc import engine_main
         from .frontend import frontend_main
 
@@ -449,6 +459,7 @@ class Supervisor:
                 return
             self._wait(0.5)
             now = time.monotonic()
+            self._kill_stalled(now)
             for c in self.engines + self.frontends:
                 if c.process is not None and not c.alive and c.restart_at is None and self.stopping is None:
                     multiprocess.mark_process_dead(c.process.pid)
@@ -461,6 +472,23 @@ class Supervisor:
                 if c.restart_at is not None and now >= c.restart_at and self.stopping is None:
                     self.metrics.restart.labels(c.kind).inc()
                     c.start(self.ctx)
+
+    def _kill_stalled(self, now: float) -> None:
+        """SIGKILL each ready child whose event loop has not run for ``server.stall_timeout_s``
+        (:mod:`batcher.heartbeat`); :meth:`_supervise` then restarts it as any child that died. Not while stopping,
+        and not right after this process itself did not run for half that time (it was stopped, or the machine
+        stalled: every child's heartbeat looks old then, through no fault of theirs)."""
+        timeout = self.server.stall_timeout_s
+        last, self._checked_at = self._checked_at, now
+        if timeout is None or self.stopping is not None or now - last > timeout / 2:
+            return
+        for c in self.engines + self.frontends:
+            late = c.heartbeat.stalled(now, timeout) if c.alive and c.is_ready and c.heartbeat else None
+            if late is not None:
+                log.warning("the %s process (pid %d) has not run its event loop for %.1f s (stopped, or stuck; "
+                            "server.stall_timeout_s %g): killing it", c.name, c.process.pid, late, timeout)
+                c.process.kill()
+                c.process.join(EXIT_WAIT_S)
 
     def _stop_all(self) -> None:
         """Front ends first (they may still drain), then the engine processes; kill what outlives the wait."""

@@ -180,10 +180,10 @@ def contexts_on(cfg: ModelConfig, device: int | None) -> int:
 
 def weight(cfg: ModelConfig, device: int | None = None) -> float:
     """``routing.strategy: weighted``: the share of a model version on ``device`` (the sum of the ``weight`` of its
-    instance groups there, 1 for a group that sets none); ``device`` None on a GPU model: on all its GPUs."""
+    instance groups there, default 1 each); ``device`` None on a GPU model: on all its GPUs."""
     total = 0.0
     for g in cfg.instance_group:
-        w = 1 if g.weight is None else g.weight
+        w = g.weight
         if cfg.device != "cuda":
             total += w
         else:

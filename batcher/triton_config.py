@@ -7,10 +7,12 @@ Field names and enum spellings are those of Triton's ``model_config.proto`` (as 
 ``instance_group: [{count, kind, gpus}]``, ``dynamic_batching: {preferred_batch_size,
 max_queue_delay_microseconds, priority_levels, default_priority_level, default_queue_policy}``, the ONNX Runtime
 backend's ``parameters: {intra_op_thread_count: {string_value}}``). perf_analyzer and tritonclient's
-``get_model_config`` read it. One field is this server's own, at top level: ``allowed_batch_sizes`` (the sizes
-batches are padded to, TF Serving's name; null when they are not padded). After PyTriton's
-``model_config/generator.py``: one function of the config, nothing else builds this document. The mapping back
-accepts what the generator writes (a round trip changes nothing).
+``get_model_config`` read it. Two fields are this server's own: ``allowed_batch_sizes`` at top level (the sizes
+batches are padded to, TF Serving's name; null when they are not padded) and ``instance_group[].weight`` (the
+group's share under ``routing.strategy: weighted``, shown as in effect, default 1). ``version_policy`` is the
+model's (read from its highest version's entry), the same in every version's config, as in Triton where the
+versions share one config. After PyTriton's ``model_config/generator.py``: one function of the config, nothing else
+builds this document. The mapping back accepts what the generator writes (a round trip changes nothing).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _version_policy(cfg: ModelConfig) -> dict[str, Any]:
 #: top-level fields of Triton's model config that a load may carry (the others: 400 naming them, unless empty).
 LOADABLE_FIELDS = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output",
                    "instance_group", "dynamic_batching", "parameters", "allowed_batch_sizes")
-_INSTANCE_FIELDS = ("name", "count", "kind", "gpus")
+_INSTANCE_FIELDS = ("name", "count", "kind", "gpus", "weight")
 _QUEUE_POLICY_FIELDS = ("max_queue_size", "default_timeout_microseconds", "allow_timeout_override",
                         "timeout_action")
 _TENSOR_FIELDS = ("name", "data_type", "dims")
@@ -170,12 +172,15 @@ def _check_identity(cfg: ModelConfig, doc: dict[str, Any]) -> None:
 
 
 def _instance_groups(doc: Any, unsupported: list[str]) -> list[dict[str, Any]]:
+    """The groups given, each as given: a field left out of a group (``count``, ``kind``, ``gpus``, ``weight``)
+    takes its default, not the value the model's group had (the groups given replace the model's)."""
     groups = []
     for i, g in enumerate(_items(doc, "instance_group")):
         _unsupported(g, _INSTANCE_FIELDS, f"instance_group[{i}].", unsupported)
         group = {k: g[k] for k in ("count", "kind") if k in g}
-        if "count" in group:
-            group["count"] = _int(group["count"], f"instance_group[{i}].count")
+        for key in ("count", "weight"):  # weight 0 is a value (no weighted requests), not Triton's "left at default"
+            if key in g:
+                group[key] = _int(g[key], f"instance_group[{i}].{key}")
         if "gpus" in g and not _empty(g["gpus"]):
             group["gpus"] = _ints(g["gpus"], f"instance_group[{i}].gpus")
         groups.append(group)
@@ -260,11 +265,15 @@ def apply_model_config(cfg: ModelConfig, signature: ModelSignature, doc: Any) ->
 
     Fields given replace ours, fields left out keep their values (Triton would reset them to its defaults):
     ``max_batch_size`` (0: no batch dimension), ``instance_group`` (``count``, ``kind`` KIND_CPU|KIND_GPU,
-    ``gpus``), ``dynamic_batching`` (every field of our config, merged field by field; Triton's
-    ``priority_levels: 0`` is one level), ``input[].dims`` (declared dims), ``parameters.intra_op_thread_count``
-    (ONNX Runtime), ``allowed_batch_sizes`` (this server's). ``name``, ``platform``, ``backend``, ``version_policy`` and ``output`` must match the model;
-    input and output names and types are checked against it. Any other field with a non-default value is
-    unsupported. What the generator writes maps back to the same config.
+    ``gpus``, and this server's ``weight``), ``dynamic_batching`` (every field of our config, merged field by field;
+    Triton's ``priority_levels: 0`` is one level), ``input[].dims`` (declared dims),
+    ``parameters.intra_op_thread_count`` (ONNX Runtime), ``allowed_batch_sizes`` (this server's). An
+    ``instance_group`` given replaces the model's groups as a whole, as Triton replaces a model's config: a group
+    without ``weight`` (Triton's groups have none) has the default weight 1, whatever weight the model had, and
+    GET shows that 1; a load without ``instance_group`` keeps the groups, weights included. ``name``,
+    ``platform``, ``backend``, ``version_policy`` (the model's, as GET shows it for any version) and ``output``
+    must match the model; input and output names and types are checked against it. Any other field with a
+    non-default value is unsupported. What the generator writes maps back to the same config.
 
     Args:
         cfg: the model's config now. signature: what it serves (its last load).

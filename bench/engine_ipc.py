@@ -153,6 +153,7 @@ def _engine_count(path: str, config_data: dict, model: str, expect: int, wait_s:
 def run(args) -> dict:
     from batcher.config import parse_config
     from batcher.engine_proc import engine_main
+    from batcher.heartbeat import Heartbeat
     from batcher.topology import engines
 
     models_dir = Path(tempfile.mkdtemp(prefix="engine-ipc-"))
@@ -178,7 +179,7 @@ def run(args) -> dict:
     sock = os.path.join(str(models_dir), "engine.sock")
     ctx = mp.get_context("spawn")
     r, w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=engine_main, args=(config, engine, sock, "warning", w))
+    proc = ctx.Process(target=engine_main, args=(config, engine, sock, "warning", Heartbeat(), w))
     # its metrics in files, as the supervisor starts it (prometheus-client's multiprocess mode: every write goes to a
     # shared file, the cost a real engine process pays per count)
     before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

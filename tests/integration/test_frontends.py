@@ -8,6 +8,7 @@ Which front end holds a client's connection is the kernel's choice (SO_REUSEPORT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import aiohttp
 import numpy as np
@@ -423,6 +426,78 @@ async def test_sigterm_drains_every_accepted_request_across_processes(start_serv
     assert not os.path.exists(folder)
     log = server.log()
     assert "stopped" in log and "Traceback" not in log
+
+
+TINY = {"name": "tiny_cnn", "path": "zoo:tiny_cnn"}
+
+
+async def _post_tiny(session: aiohttp.ClientSession, base: str, **parameters) -> tuple[int, dict]:
+    async with session.post(f"{base}/v2/models/tiny_cnn/infer",
+                            **_binary(np.zeros((1, 3, 224, 224), np.float32), **parameters)) as r:
+        body = await r.read()
+        return r.status, (orjson.loads(body) if r.content_type == "application/json" else {})
+
+
+def _ready(base: str) -> bool:
+    with contextlib.suppress(urllib.error.HTTPError), urllib.request.urlopen(f"{base}/v2/health/ready") as r:
+        return r.status == 200
+    return False
+
+
+async def test_a_stopped_engine_process_still_gets_its_requests_answered_504_at_their_deadline(start_server):
+    """SIGSTOP of the engine process (``server.stall_timeout_s`` null: never killed): a request with a timeout is
+    answered 504 by its front end soon after its deadline (its engine process would have; a user's requests waited
+    for as long as the process was stopped), and the engine process, once SIGCONT, counts it ``timeout`` (the
+    front end's ABORT says so) and serves on."""
+    server = start_server({"server": {"frontends": 1, "stall_timeout_s": None}, "models": [TINY]})
+    _wait_log(server, r"serving KServe v2")
+    engine = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+    labels = {"model": "tiny_cnn", "version": "1"}
+    async with aiohttp.ClientSession() as s:
+        assert (await _post_tiny(s, server.base))[0] == 200
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            status, body = await _post_tiny(s, server.base, timeout=100_000)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        assert status == 504
+        assert body["error"] == "model 'tiny_cnn': no answer from the engine process by the request's deadline"
+        await until(lambda: server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1)
+        assert (await _post_tiny(s, server.base))[0] == 200
+    assert server.metric("batcher_request_success_total", **labels) == 2
+    assert server.metric("batcher_request_failure_total", reason="canceled", **labels) == 0
+    assert server.metric("batcher_process_restart_total", process="engine") == 0
+    assert server.stop() == 0
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()
+
+
+async def test_a_stalled_engine_process_is_killed_and_restarted_after_server_stall_timeout_s(start_server):
+    """SIGSTOP of the engine process: after ``server.stall_timeout_s`` without a heartbeat of its event loop the
+    supervisor kills it (batcher.heartbeat) and starts it again. Meanwhile a request with a timeout gets 504 from
+    its front end, one without gets 503 when the process is killed (as for any engine death); each counted once,
+    by the front end (the engine process died without counting them)."""
+    server = start_server({"server": {"frontends": 1, "stall_timeout_s": 2}, "models": [TINY]})
+    _wait_log(server, r"serving KServe v2")
+    engine = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+    labels = {"model": "tiny_cnn", "version": "1"}
+    async with aiohttp.ClientSession() as s:
+        assert (await _post_tiny(s, server.base))[0] == 200
+        os.kill(engine, signal.SIGSTOP)
+        waiting = asyncio.create_task(_post_tiny(s, server.base))  # no deadline: answered when the process is killed
+        status, body = await _post_tiny(s, server.base, timeout=100_000)
+        assert status == 504, body
+        status, body = await waiting
+        assert status == 503 and "being restarted" in body["error"], body
+        line = _wait_log(server, r"the engine-cpu process \(pid (\d+)\) has not run its event loop for")
+        assert line == [str(engine)]
+        _wait_log(server, r"engine-cpu ready", count=2)
+        await until(lambda: _ready(server.base))
+        assert (await _post_tiny(s, server.base))[0] == 200
+    assert server.metric("batcher_process_restart_total", process="engine") == 1
+    assert server.metric("batcher_process_restart_total", process="frontend") == 0
+    assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1
+    assert server.metric("batcher_request_failure_total", reason="rejected", **labels) == 1
+    assert server.stop() == 0
 
 
 def test_a_model_on_several_gpus_needs_multi_process_mode(start_server, tmp_path):

@@ -121,6 +121,31 @@ async def test_lru_never_evicts_a_model_with_requests_in_flight(start_server):
     assert _loaded(server) == {"mid_cnn": 0.0, "resnet18": 1.0}
 
 
+@pytest.mark.parametrize("on_cold", ["reject", "wait"])
+async def test_a_model_larger_than_the_whole_budget_says_so_under_reject_and_wait(start_server, on_cold):
+    """A new user's report: under ``on_cold: reject`` a model that can never fit the budget answered "is loading; try
+    again shortly" with Retry-After 1 to every request, forever. Now both ``on_cold`` settings give one answer: 503
+    naming the need and the budget, Retry-After 5 (the repository's for a model no request can load), no load
+    tried; the per-model probe is 503 and the index says why."""
+    server = start_server({"server": {"load_strategy": "lru", "memory_budget_mb": 100, "on_cold": on_cold,
+                                      "repository_api": True},
+                           "models": _models("tiny_cnn", memory_mb=500)})
+    error = ("model 'tiny_cnn' version 1 needs 500 MB (its memory_mb), more than the whole memory budget (100 MB): "
+             "no eviction can make room for it")
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(f"{server.base}/v2/models/tiny_cnn/infer", **_body()) as r:
+                assert (r.status, r.headers["Retry-After"], await r.json()) == (503, "5", {"error": error})
+        async with s.get(f"{server.base}/v2/models/tiny_cnn/ready") as r:
+            assert (r.status, await r.json()) == (503, {"name": "tiny_cnn", "ready": False})
+    index = orjson.loads(_post(server, "/v2/repository/index")[1])
+    assert index == [{"name": "tiny_cnn", "version": "1", "state": "UNAVAILABLE",
+                      "reason": error.removeprefix("model 'tiny_cnn' version 1 ")}]
+    assert _post(server, "/v2/repository/models/tiny_cnn/load") == (503, orjson.dumps({"error": error}))
+    assert server.metric("batcher_model_load_total", model="tiny_cnn", version="1") == 0
+    assert " ERROR " not in server.log() and "Traceback" not in server.log()
+
+
 def _slope(ys: list[float]) -> float:
     """Theil-Sen estimate of the trend of ``ys`` per step: the median of the slopes between every pair of points
     (robust to a few points pushed up or down by whatever else runs on the machine)."""
@@ -148,8 +173,15 @@ def test_unload_reload_cycles_return_memory(start_server):
     assert server.metric("batcher_model_unload_total", model="resnet18", version="1", reason="unload") == 20
 
 
-async def test_repository_api_states_auth_and_sticky_unload(start_server):
-    server = start_server({"server": {"load_strategy": "eager", "repository_api": True, "repository_token": "s3cret"},
+@pytest.mark.parametrize("token", ["in the config", "in a file"])
+async def test_repository_api_states_auth_and_sticky_unload(start_server, tmp_path, token):
+    """The bearer token given in the config, or in a file (``repository_token_file``: a mounted Kubernetes Secret,
+    read with its newline)."""
+    given = {"repository_token": "s3cret"}
+    if token == "in a file":
+        (tmp_path / "token").write_text("s3cret\n")
+        given = {"repository_token_file": str(tmp_path / "token")}
+    server = start_server({"server": {"load_strategy": "eager", "repository_api": True, **given},
                            "models": _models("tiny_cnn")})
     assert _post(server, "/v2/repository/index")[0] == 401
     assert _post(server, "/v2/repository/index", "wrong")[0] == 401

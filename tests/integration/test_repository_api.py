@@ -129,3 +129,34 @@ async def test_a_load_with_a_triton_config_applies_it_without_dropping_requests_
     assert server.metric("batcher_request_failure_total", reason="invalid", **labels) == 1
     index = {e["name"]: e for e in client.get_model_repository_index()}
     assert index["mid_cnn"]["state"] == "READY"
+
+
+async def test_the_config_of_a_weighted_model_with_versions_loads_back_and_triton_groups_reset_the_weight(
+        start_server):
+    """GET config -> load with it -> GET config is identical for the model and each version (instance group weights
+    and a version policy included; before, ``weight`` was refused with 400 and version 2's config showed the policy
+    ``all`` while the model's showed ``latest: 2``), and nothing reloads. A Triton config's instance groups (no
+    ``weight``) replace the model's: its groups then have weight 1, and GET shows it."""
+    tiny = [{"name": "tiny_cnn", "path": "zoo:tiny_cnn", "version": v, "max_batch_size": 4,
+             "instance_group": [{"count": 1, "weight": 3}, {"count": 1, "weight": 0}]} for v in (1, 2, 3)]
+    tiny[-1]["version_policy"] = {"latest": 2}
+    server = start_server({"server": {"repository_api": True}, "routing": {"strategy": "weighted"}, "models": tiny})
+    client = http.InferenceServerClient(server.url)
+    model = client.get_model_config("tiny_cnn")
+    assert (model["version_policy"], model["instance_group"]) == (
+        {"latest": {"num_versions": 2}},
+        [{"name": "tiny_cnn_0", "count": 1, "kind": "KIND_CPU", "weight": 3},
+         {"name": "tiny_cnn_1", "count": 1, "kind": "KIND_CPU", "weight": 0}])
+    versions = {v: client.get_model_config("tiny_cnn", v) for v in ("2", "3")}
+    assert versions == {"2": model, "3": model}
+    client.load_model("tiny_cnn", config=json.dumps(model))
+    assert client.get_model_config("tiny_cnn") == model
+    assert {v: client.get_model_config("tiny_cnn", v) for v in ("2", "3")} == versions
+    loads = {v: server.metric("batcher_model_load_total", model="tiny_cnn", version=v) for v in ("2", "3")}
+    assert loads == {"2": 1, "3": 1}  # the same config: nothing reloaded
+    client.load_model("tiny_cnn", config=json.dumps({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}))
+    assert client.get_model_config("tiny_cnn")["instance_group"] == [
+        {"name": "tiny_cnn_0", "count": 2, "kind": "KIND_CPU", "weight": 1}]
+    assert {v: server.metric("batcher_model_load_total", model="tiny_cnn", version=v) for v in ("2", "3")} == \
+        {"2": 2, "3": 2}
+    assert " ERROR " not in server.log() and "Traceback" not in server.log()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.batching import Pending, State, batch_is_full, plan_batch, shape_key, split_outputs, stack_inputs
+from batcher.batching import (Pending, State, batch_is_full, plan_batch, preferred_cut, shape_key, split_outputs,
+                              stack_inputs)
 
 
 def _p(rows: int, width: int = 8, t: float = 0.0, dtype=np.float32) -> Pending:
@@ -42,6 +43,23 @@ def test_full_and_preferred_sizes():
     assert not batch_is_full(7, 8)
     assert batch_is_full(4, 8, (2, 4))
     assert not batch_is_full(3, 8, (2, 4))
+
+
+@pytest.mark.parametrize("rows, preferred, cut", [
+    ([1] * 10, (4, 8), 8),  # the largest preferred size reachable; the other 2 rows wait
+    ([1] * 5, (4, 8), 4),  # a smaller one goes at once too
+    ([1] * 3, (4, 8), 0),  # none reachable yet: wait for the window
+    ([2, 2, 3], (4, 8), 2),  # 4 rows
+    ([2, 2, 2, 3], (4, 8), 2),  # 4, not 6: past a preferred size, only another preferred size moves the cut
+    ([3, 3, 3], (4, 8), 2),  # none reachable, the third would pass 8: the 6 rows before it
+    ([3, 3], (4, 8), 0),  # 6 rows, still room below 8: wait
+    ([10, 1], (4, 8), 1),  # a first request past the largest goes alone
+    ([10], (4, 8), 1),
+    ([1] * 10, (8, 4), 8),  # any order
+    ([1] * 10, (), 0),  # no preferred sizes: the window and max_batch_size decide
+])
+def test_preferred_cut_is_tritons_rule(rows, preferred, cut):
+    assert preferred_cut([_p(n) for n in rows], preferred) == cut
 
 
 def test_stack_and_split_round_trip_in_order():

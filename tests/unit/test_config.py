@@ -227,6 +227,20 @@ def test_loading_and_routing_options_are_checked(doc, fragment):
     assert fragment in str(exc.value)
 
 
+def test_the_repository_token_may_come_from_a_file_and_never_from_both(tmp_path):
+    server = {"repository_api": True, "repository_token_file": str(tmp_path / "token")}
+    doc = {"server": server, "models": [{"name": "m", "path": "p"}]}
+    with pytest.raises(ConfigError, match=r"repository_token_file '.*token' cannot be read: No such file"):
+        parse_config(doc)
+    (tmp_path / "token").write_text(" \n")
+    with pytest.raises(ConfigError, match=r"repository_token_file '.*token' is empty"):
+        parse_config(doc)
+    (tmp_path / "token").write_text("s3cret\n")
+    assert parse_config(doc).server.repository_token == "s3cret"
+    with pytest.raises(ConfigError, match="set repository_token or repository_token_file, not both"):
+        parse_config({**doc, "server": {**server, "repository_token": "x"}})
+
+
 def test_uvloop_without_uvloop_installed_is_a_config_error_at_load(monkeypatch):
     """server.event_loop: uvloop on a machine without uvloop fails when the config loads (one message, exit 2),
     not inside each process multi-process mode has already started."""

@@ -172,6 +172,18 @@ async def test_model_readiness_rules():
     await lazy.close()
 
 
+async def test_a_model_larger_than_the_whole_memory_budget_is_not_ready():
+    """Its next request would not load it (it can never fit): the per-model probe says so, before any request and
+    after one; a model that fits is ready to be loaded."""
+    dp = await plane([{"name": "big", "memory_mb": 500}, {"name": "m", "memory_mb": 50}], load_strategy="lru",
+                     memory_budget_mb=100)
+    assert (dp.model_ready("big"), dp.model_ready("m")) == (False, True)
+    with pytest.raises(Unavailable, match="more than the whole memory budget"):
+        await dp.infer("big", None, now(), reader(InferRequest(rows(1))), passthrough)
+    assert (dp.model_ready("big"), dp.model_ready("m")) == (False, True)
+    await dp.close()
+
+
 async def test_metadata_config_and_statistics():
     dp = await plane()
     meta = await dp.model_metadata("m")
@@ -188,6 +200,26 @@ async def test_metadata_config_and_statistics():
     for model, version in (("nope", None), ("nope", "1"), ("m", "9")):  # 404s, not a KeyError (a 500)
         with pytest.raises(ModelNotFound, match="unknown model 'nope'|version"):
             dp.statistics(model, version)
+    await dp.close()
+
+
+async def test_every_versions_config_shows_the_models_version_policy_and_loads_back():
+    """The policy is read from the highest version's entry; a lower version's config showed its own entry's (the
+    default, ``all``) while the model's showed ``latest: 2``, and that model config posted back to a load was
+    refused (400: "a load cannot change them") for the lower version. As in Triton, a version's config shows the
+    model's policy, and the model's config loads back onto every served version unchanged."""
+    import json
+
+    dp = await plane([{"name": "m", "version": 1}, {"name": "m", "version": 2},
+                      {"name": "m", "version": 3, "version_policy": {"latest": 2}}])
+    model = await dp.model_config("m")
+    assert model["version_policy"] == {"latest": {"num_versions": 2}}
+    assert [(await dp.model_config("m", v))["version_policy"] for v in ("2", "3")] == [model["version_policy"]] * 2
+    cfgs = [dp.repository.slot("m", v).cfg for v in ("2", "3")]
+    await dp.load("m", json.loads(json.dumps(model)))
+    assert [dp.repository.slot("m", v).cfg for v in ("2", "3")] == cfgs  # nothing changed: no reload
+    assert [e["event"] for e in dp.repository.lifecycle.events] == ["load", "load"]
+    assert await dp.model_config("m") == model
     await dp.close()
 
 

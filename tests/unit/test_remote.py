@@ -213,6 +213,31 @@ async def test_a_client_that_goes_away_aborts_its_request_in_the_engine():
         assert engine.rows_run == 1  # the aborted request never ran
 
 
+async def test_a_request_its_engine_has_not_answered_past_its_deadline_gets_504_from_the_front_end():
+    """EngineLink.expire (the front end's sweep, OVERDUE_S after a deadline; called here at once): the request's
+    future gets 504, and the engine, sent ABORT with OVERDUE, withdraws it unrun and counts it ``timeout``, not
+    ``canceled``; its input block goes back once the engine has let it go."""
+    async with served([{"name": "m", "max_batch_size": AREA_ROWS,
+                        "dynamic_batching": {"admission_control": False}}]) as (remote, engines):
+        engine = engines[None]
+        engine.gate.clear()
+        busy = asyncio.create_task(remote.infer("m", None, now(), read(request(1)), copy_out))
+        await asyncio.sleep(0.05)  # executing, gated
+        late = asyncio.create_task(remote.infer("m", None, now(), read(request(AREA_ROWS, timeout_us=60_000_000)),
+                                                copy_out))
+        conn = next(iter(engine.server.connections))
+        assert await eventually(lambda: len(conn.requests) == 2)  # queued behind it
+        remote.links[0].expire(now() + 3600)  # as if its deadline had passed long ago
+        with pytest.raises(BatcherError) as exc:
+            await late
+        assert exc.value.status == 504
+        assert exc.value.message == "model 'm': no answer from the engine process by the request's deadline"
+        assert await eventually(lambda: engine.count(reason="timeout") == 1 and used(remote) == 0)
+        engine.gate.set()
+        await busy
+        assert engine.rows_run == 1 and engine.count(reason="canceled") == 0
+
+
 async def test_a_lost_front_end_has_its_requests_dropped_and_counted():
     async with served([{"name": "m", "max_batch_size": 64}]) as (remote, engines):
         engine = engines[None]

@@ -223,10 +223,80 @@ async def test_requests_waiting_for_a_load_pin_the_model():
     await r.close()
 
 
-async def test_a_model_larger_than_the_whole_budget_is_refused():
-    r, _ = repo([{"name": "a", "memory_mb": 500}], load_strategy="lru", memory_budget_mb=100)
-    with pytest.raises(Unavailable, match="more than the whole memory budget"):
+NEVER_FITS = ("model 'a' version 1 needs 500 MB (its memory_mb), more than the whole memory budget (100 MB): no "
+              "eviction can make room for it")
+
+
+@pytest.mark.parametrize("on_cold", ["wait", "reject"])
+async def test_a_model_larger_than_the_whole_budget_is_refused_saying_so_without_a_load(on_cold):
+    """A new user's report: under ``on_cold: reject`` a model larger than the whole budget answered "is loading; try
+    again shortly" with Retry-After 1 forever (each request started a load that failed in the background), and under
+    ``wait`` the same model said "needs 500 MB" with Retry-After 1. Now both answer what is true, the same way:
+    it cannot fit, Retry-After LOAD_RETRY_S (as for other models that are not loaded), no load is tried, the index
+    says why, and the repository API's load gets the same answer."""
+    from batcher.repository import LOAD_RETRY_S
+
+    r, loader = repo([{"name": "a", "memory_mb": 500}], load_strategy="lru", memory_budget_mb=100, on_cold=on_cold)
+    for _ in range(3):
+        with pytest.raises(Unavailable) as exc:
+            await r.acquire(r.slot("a"))
+        assert (exc.value.message, exc.value.retry_after_s) == (NEVER_FITS, LOAD_RETRY_S)
+        await asyncio.sleep(LOAD_RETRY_S)  # virtual time: past any retry window, still the same answer
+    with pytest.raises(Unavailable) as exc:
+        await r.load(r.slot("a"))
+    assert (exc.value.message, exc.value.retry_after_s) == (NEVER_FITS, LOAD_RETRY_S)
+    assert loader.loads == [] and r.slot("a").task is None
+    assert r.index() == [{"name": "a", "version": "1", "state": UNAVAILABLE,
+                          "reason": NEVER_FITS.removeprefix("model 'a' version 1 ")}]
+    await r.close()
+
+
+async def test_a_model_measured_over_the_whole_budget_is_not_loaded_again_and_says_why():
+    """Estimated at 32 MB before its first load, measured at 150 MB in a 100 MB budget: given back once, then every
+    request (on_cold reject) gets the measured figure, not "is loading" and another load."""
+    from batcher.repository import LOAD_RETRY_S
+
+    r, loader = repo([{"name": "a"}], FakeLoader({"a": 150}), load_strategy="lru", memory_budget_mb=100,
+                     on_cold="reject")
+    with pytest.raises(Unavailable, match="is loading"):  # true: its load starts
         await r.acquire(r.slot("a"))
+    await asyncio.wait([r.slot("a").task])  # the load it started, given back over the budget (no guessed wait)
+    message = ("model 'a' version 1 needs 150 MB (as measured at its load), more than the whole memory budget "
+               "(100 MB): no eviction can make room for it")
+    for _ in range(2):
+        with pytest.raises(Unavailable) as exc:
+            await r.acquire(r.slot("a"))
+        assert (exc.value.message, exc.value.retry_after_s) == (message, LOAD_RETRY_S)
+        await asyncio.sleep(LOAD_RETRY_S)
+    assert loader.loads == ["a"] and r.used_bytes == 0
+    assert (r.slot("a").state, r.slot("a").reason) == (UNAVAILABLE, message.removeprefix("model 'a' version 1 "))
+    await r.close()
+
+
+@pytest.mark.parametrize("on_cold", ["wait", "reject"])
+async def test_no_room_now_is_the_same_answer_under_reject_and_wait_and_a_later_request_loads(on_cold):
+    """b (60 MB) cannot fit beside a (60 MB, in use) in 100 MB: under ``reject`` it answered "is loading" while its
+    load failed in the background, request after request; now both strategies answer what a load would, naming
+    the budget (Retry-After 1: it can fit once a is idle), and once a is released a request loads b."""
+    r, loader = repo([{"name": "a", "memory_mb": 60}, {"name": "b", "memory_mb": 60}], FakeLoader({"a": 60, "b": 60}),
+                     load_strategy="lru", memory_budget_mb=100, on_cold=on_cold)
+    await r.load(r.slot("a"))
+    held = await r.acquire(r.slot("a"))
+    message = ("memory budget 100 MB: model 'b' needs 60 MB, 60 MB are held by models with requests in flight: "
+               "['a (60 MB)']")
+    for _ in range(2):
+        with pytest.raises(Unavailable) as exc:
+            await r.acquire(r.slot("b"))
+        assert (exc.value.message, exc.value.retry_after_s) == (message, 1)
+    assert loader.loads == ["a"] and (r.slot("b").state, r.slot("b").reason) == (UNAVAILABLE, message)
+    r.release(held)
+    if on_cold == "reject":
+        with pytest.raises(Unavailable, match="is loading"):
+            await r.acquire(r.slot("b"))
+        await r.slot("b").task  # the load it started (no guessed wait: a busy machine made 0.1 s too short)
+    r.release(await r.acquire(r.slot("b")))
+    assert states(r) == {"a:1": UNAVAILABLE, "b:1": READY} and loader.loads == ["a", "b"]
+    await r.close()
 
 
 async def test_versions_policy_and_mismatch_rules():

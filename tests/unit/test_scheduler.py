@@ -91,6 +91,88 @@ async def test_a_batch_goes_at_max_batch_size_or_the_largest_preferred_size_with
     await r.close()
 
 
+async def _done_at(tasks: list[asyncio.Task]) -> list[float]:
+    """The loop time at which each task finished, in the tasks' order."""
+    ends: dict[asyncio.Task, float] = {}
+    for t in tasks:
+        t.add_done_callback(lambda t: ends.setdefault(t, now()))
+    await asyncio.gather(*tasks)
+    return [ends[t] for t in tasks]
+
+
+async def test_preferred_sizes_send_the_largest_reachable_one_at_once_and_the_rest_waits_as_triton_does():
+    """Triton's GetDynamicBatch: 10 rows queued, preferred [4, 8], max 16: a batch of 8 goes at once, not 10; the
+    other 2 wait out the window (counted from their arrival), or go at once when arrivals make a preferred size."""
+    r, ctxs, _, _ = runner(contexts=2, max_batch_size=16, max_queue_delay_microseconds=10_000,
+                           preferred_batch_size=[4, 8])
+    t0 = now()
+    ends = await _done_at([submit(r) for _ in range(10)])
+    assert ctxs[0].batches == [8] and ctxs[1].batches == [2]
+    assert ends == pytest.approx([t0 + 0.008] * 8 + [t0 + 0.010 + 0.002] * 2)  # 8 at once; 2 at the window's end
+    t0 = now()
+    first = [submit(r) for _ in range(10)]
+    await asyncio.sleep(0.003)
+    more = [submit(r) for _ in range(2)]  # the 2 left over and these 2 make 4, a preferred size: at once
+    ends = await _done_at(first + more)
+    assert ctxs[0].batches[1:] == [8] and ctxs[1].batches[1:] == [4]
+    assert ends == pytest.approx([t0 + 0.008] * 8 + [t0 + 0.003 + 0.004] * 4)
+    await r.close()
+
+
+async def test_a_batch_end_sends_the_next_preferred_batch_at_once():
+    """One context, 20 rows queued at once, preferred [4, 8], max 16, 1 s window: 8, then 8 at the first batch's end
+    (its callback, :meth:`ModelRunner._dispatch_full`), then the last 4 (a preferred size) without waiting."""
+    r, ctxs, _, _ = runner(max_batch_size=16, max_queue_delay_microseconds=1_000_000, preferred_batch_size=[4, 8])
+    t0 = now()
+    ends = await _done_at([submit(r) for _ in range(20)])
+    assert ctxs[0].batches == [8, 8, 4] and ends[-1] == pytest.approx(t0 + 0.020)
+    await r.close()
+
+
+async def test_preferred_sizes_count_rows_of_whole_requests_as_triton_does():
+    """Multi-row requests, preferred [4, 8], max 16, 10 ms window. 2 + 2 + 3 rows: 4 is reachable and goes at once,
+    the 3 rows wait the window. 3 + 3 + 3 rows: no preferred size is reachable, and taking the third request would
+    pass the largest one, so the 6 rows before it go at once (Triton's ``best_preferred_batch_size = pending``)."""
+    for sizes, first, rest in (([2, 2, 3], 4, 3), ([3, 3, 3], 6, 3)):
+        r, ctxs, _, _ = runner(contexts=2, max_batch_size=16, max_queue_delay_microseconds=10_000,
+                               preferred_batch_size=[4, 8])
+        t0 = now()
+        ends = await _done_at([submit(r, n) for n in sizes])
+        assert (ctxs[0].batches, ctxs[1].batches) == ([first], [rest]), sizes
+        assert ends[-1] == pytest.approx(t0 + 0.010 + rest * 0.001) and ends[0] == pytest.approx(t0 + first * 0.001)
+        await r.close()
+
+
+async def test_when_the_window_has_expired_triton_sends_the_largest_batch_up_to_max_batch_size():
+    """No preferred size reachable (3 rows, preferred [4, 8]): the batch waits the whole window, then goes as it is.
+    Requests that waited out their window behind a busy context go as one batch up to max_batch_size (Triton's
+    ``delay_is_exceeded``: the preferred sizes no longer cap it), 16 of the 20 rows, then the other 4."""
+    r, ctxs, _, _ = runner(max_batch_size=16, max_queue_delay_microseconds=10_000, preferred_batch_size=[4, 8])
+    t0 = now()
+    ends = await _done_at([submit(r) for _ in range(3)])
+    assert ctxs[0].batches == [3] and ends == pytest.approx([t0 + 0.010 + 0.003] * 3)
+    busy = submit(r, 16)  # holds the one context 16 ms
+    await asyncio.sleep(0.001)
+    waiting = [submit(r) for _ in range(20)]
+    await asyncio.gather(busy, *waiting)
+    assert ctxs[0].batches == [3, 16, 16, 4]
+    await r.close()
+
+
+async def test_with_no_queue_delay_the_preferred_sizes_still_cap_the_batch_as_triton_does():
+    """max_queue_delay_microseconds 0 (Triton's ``pending_batch_delay_ns_ == 0``: the delay is never "exceeded"):
+    10 rows queued, preferred [4, 8]: 8 go, then the other 2 at once (no preferred size reachable, nothing to wait
+    for). The order the sizes are listed in does not matter (Triton keeps them in a ``std::set``)."""
+    for preferred in ([4, 8], [8, 4]):
+        r, ctxs, _, _ = runner(contexts=2, max_batch_size=16, preferred_batch_size=preferred)
+        t0 = now()
+        ends = await _done_at([submit(r) for _ in range(10)])
+        assert (ctxs[0].batches, ctxs[1].batches) == ([8], [2])
+        assert r.cfg.dynamic_batching.preferred_batch_size == preferred  # kept as written, as Triton's config is
+        assert ends == pytest.approx([t0 + 0.008] * 8 + [t0 + 0.002] * 2)
+        await r.close()
+
+
 async def test_arrivals_inside_a_window_do_not_wake_the_batcher_unless_they_may_close_it(monkeypatch):
     """10 ms window, max batch 8: the batcher plans the batch when the window opens and when it ends, not once per
     arrival; the 8th row still closes it at once, and a deadline sooner than the window's end wakes it."""

@@ -35,6 +35,10 @@ CONFIGS = [
     ({"instance_group": [{"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}]}, 8),
     ({"max_batch_size": 0}, 0),
     ({"version_policy": {"latest": 1}}, 8),
+    # instance_group[].weight (routing.strategy weighted; this server's key): GET showed it, a load refused it
+    ({"instance_group": [{"count": 2, "weight": 3}]}, 8),
+    ({"instance_group": [{"kind": "KIND_GPU", "gpus": [0], "weight": 3},
+                         {"kind": "KIND_GPU", "gpus": [1], "weight": 0}]}, 8),
 ]
 
 
@@ -43,6 +47,25 @@ def test_the_generators_output_fed_back_changes_nothing(kw, max_batch):
     cfg = _cfg(**kw)
     doc = json.loads(json.dumps(model_config_json(cfg, _sig(max_batch))))  # as it travels: a JSON string
     assert apply_model_config(cfg, _sig(max_batch), doc) == cfg
+
+
+def test_instance_groups_given_replace_the_models_weights_included_and_get_shows_the_weight_in_effect():
+    """A load's ``instance_group`` replaces the model's groups as a whole (Triton's groups have no ``weight``: a group
+    without one has the default weight 1, not the weight the model had); a load without ``instance_group`` keeps
+    them. GET shows every group's weight as in effect, the default included (it showed none, so a reload that
+    reset a weight to 1 looked the same as before)."""
+    cfg = _cfg(instance_group=[{"count": 2, "weight": 3}])
+    assert model_config_json(cfg, _sig())["instance_group"] == [
+        {"name": "m_0", "count": 2, "kind": "KIND_CPU", "weight": 3}]
+    kept = apply_model_config(cfg, _sig(), {"max_batch_size": 4})
+    assert kept.instance_group == cfg.instance_group
+    triton = apply_model_config(cfg, _sig(), {"instance_group": [{"name": "m_0", "count": 1, "kind": "KIND_CPU"}]})
+    assert model_config_json(triton, _sig())["instance_group"] == [
+        {"name": "m_0", "count": 1, "kind": "KIND_CPU", "weight": 1}]
+    assert model_config_json(_cfg(), _sig())["instance_group"] == [
+        {"name": "m_0", "count": 1, "kind": "KIND_CPU", "weight": 1}]
+    zero = apply_model_config(cfg, _sig(), {"instance_group": [{"count": 2, "weight": 0}]})
+    assert zero.instance_group[0].weight == 0  # a weight of 0 (no weighted requests) is a value, not "left out"
 
 
 def test_triton_spells_64_bit_integers_as_strings_and_those_are_taken():
@@ -126,6 +149,9 @@ def test_unsupported_fields_are_refused_all_named_at_once():
     ({"instance_group": [{"count": 0}]}, "instance_group.0.count: Input should be greater than or equal to 1"),
     ({"instance_group": [{"kind": "KIND_AUTO"}]}, "instance_group.0.kind: Input should be 'KIND_CPU' or "
                                                   "'KIND_GPU'"),
+    ({"instance_group": [{"weight": "heavy"}]}, "parameters.config.instance_group[0].weight: expected an integer, "
+                                                "got 'heavy'"),
+    ({"instance_group": [{"weight": -1}]}, "instance_group.0.weight: Input should be greater than or equal to 0"),
     ({"dynamic_batching": {"admission_control": "yes"}}, "dynamic_batching.admission_control: Input should be a "
                                                          "valid boolean"),
     ({"dynamic_batching": {"preferred_batch_size": [16]}}, "exceeds max_batch_size"),
@@ -149,3 +175,51 @@ def test_wrong_types_and_contradictions_are_400_naming_the_field(doc, message):
     with pytest.raises(InvalidInput) as exc:
         apply_model_config(_cfg(max_batch_size=8), _sig(), doc)
     assert message in exc.value.message
+
+
+# ---------------------------------------------------------------------------------- round trip over the zoo models
+def _zoo_models() -> list[dict]:
+    """The zoo models of the embedded default config (``configs/default.yaml``) whose files this machine has (the
+    PP-OCR ones come with ``rapidocr_onnxruntime``), and tiny_cnn again as three versions with a ``latest: 2``
+    policy and instance group weights (``routing.strategy: weighted``)."""
+    from batcher.config import load_config
+    from engines.zoo import ZooError, resolve
+
+    models = []
+    for m in load_config().models:
+        try:
+            resolve(m.path)
+        except ZooError:
+            continue
+        models.append(m.model_dump(exclude_defaults=True))
+    versions = [{"name": "tiny_versions", "path": "zoo:tiny_cnn", "version": v, "max_batch_size": 4,
+                 "instance_group": [{"count": 2, "weight": 3}, {"count": 1, "weight": 0}]} for v in (1, 2, 3)]
+    versions[-1]["version_policy"] = {"latest": 2}
+    return [*models, *versions]
+
+
+async def test_get_config_loads_back_unchanged_for_every_zoo_model():
+    """For every model: GET config, load with that config (as tritonclient sends it, a JSON string's content), GET
+    config again: the same document for the model and for each of its served versions, and nothing reloaded.
+    Before, the weights were refused (400) and a lower version's config was refused for its version_policy."""
+    from batcher.dataplane import DataPlane
+    from batcher.metrics import Metrics
+
+    config = parse_config({"routing": {"strategy": "weighted"}, "models": _zoo_models()})
+    dp = DataPlane(config, Metrics())
+    await dp.start()
+    try:
+        names = list(dict.fromkeys(m.name for m in config.models))
+        assert {"tiny_cnn", "mid_cnn", "resnet18", "tiny_versions"} <= set(names)
+        for name in names:
+            versions = dp.repository.served_versions(name)
+            before = {v: await dp.model_config(name, v) for v in (None, *versions)}
+            assert all(doc["version_policy"] == before[None]["version_policy"] for doc in before.values())
+            cfgs = [dp.repository.slot(name, v).cfg for v in versions]
+            await dp.load(name, json.loads(json.dumps(before[None])))
+            assert [dp.repository.slot(name, v).cfg for v in versions] == cfgs, name
+            assert {v: await dp.model_config(name, v) for v in (None, *versions)} == before, name
+        assert [e["event"] for e in dp.repository.lifecycle.events] == ["load"] * sum(
+            len(dp.repository.served_versions(n)) for n in names)  # the start's loads only
+    finally:
+        await dp.close()

@@ -1,0 +1,102 @@
+"""Liveness of multi-process mode's children (:mod:`batcher.heartbeat`): a child's heartbeat, and which children the
+supervisor kills as stalled (:meth:`batcher.supervisor.Supervisor._kill_stalled`), on clocks the test sets."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from batcher.config import ServerConfig
+from batcher.heartbeat import Heartbeat, beat
+from batcher.supervisor import Supervisor
+
+
+def test_a_heartbeat_is_stalled_only_past_the_timeout_and_never_before_its_first_beat():
+    hb = Heartbeat()
+    assert hb.stalled(1000.0, 30) is None  # still starting
+    hb.set(100.0)
+    assert hb.stalled(130.0, 30) is None
+    assert hb.stalled(130.5, 30) == pytest.approx(30.5)
+    hb.close()
+    hb.close()
+
+
+def _beat_in_child(hb: Heartbeat, when: float) -> None:
+    hb.set(when)
+
+
+def test_a_heartbeat_passed_to_a_spawned_child_is_the_same_memory_and_not_in_dev_shm():
+    hb = Heartbeat()
+    assert all("/dev/shm/" not in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+    child = mp.get_context("spawn").Process(target=_beat_in_child, args=(hb, 1234.5))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert hb.last == 1234.5
+    hb.close()
+
+
+async def test_beat_writes_the_clock_until_cancelled():
+    hb = Heartbeat()
+    ticks = iter([5.0, 6.0, 7.0])
+    task = asyncio.get_running_loop().create_task(beat(hb, clock=lambda: next(ticks), interval_s=0))
+    while hb.last < 6.0:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert hb.last in (6.0, 7.0)
+    hb.close()
+
+
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.killed = pid, False
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def join(self, timeout: float) -> None:
+        pass
+
+
+def _child(name: str, last_beat: float, ready: bool = True) -> SimpleNamespace:
+    hb = Heartbeat()
+    hb.set(last_beat)
+    return SimpleNamespace(name=name, process=_Process(len(name)), alive=True, is_ready=ready, heartbeat=hb)
+
+
+def _supervisor(children: list, timeout: float | None, checked_at: float, stopping: str | None = None):
+    return SimpleNamespace(server=ServerConfig(stall_timeout_s=timeout), stopping=stopping, _checked_at=checked_at,
+                           engines=children[:1], frontends=children[1:])
+
+
+def test_the_supervisor_kills_the_ready_children_whose_heartbeat_is_older_than_stall_timeout_s():
+    stalled, fresh, starting = _child("engine-cpu", 60.0), _child("frontend-0", 99.0), _child("frontend-1", 1.0, False)
+    sup = _supervisor([stalled, fresh, starting], 30, checked_at=99.5)
+    Supervisor._kill_stalled(sup, 100.0)
+    assert [c.process.killed for c in (stalled, fresh, starting)] == [True, False, False]
+    assert sup._checked_at == 100.0
+
+
+@pytest.mark.parametrize("case", ["the supervisor itself did not run", "stopping", "never"])
+def test_no_child_is_killed_when_the_supervisor_stalled_is_stopping_or_the_check_is_off(case):
+    child = _child("engine-cpu", 10.0)
+    timeout, checked_at, stopping = 30, 99.5, None
+    if case == "the supervisor itself did not run":
+        checked_at = 80.0  # its last check 20 s ago, more than half the timeout: every heartbeat looks old
+    elif case == "stopping":
+        stopping = "drain"
+    else:
+        timeout = None
+    sup = _supervisor([child], timeout, checked_at, stopping)
+    Supervisor._kill_stalled(sup, 100.0)
+    assert not child.process.killed
+    assert sup._checked_at == 100.0
+    Supervisor._kill_stalled(sup, 100.5)  # the next check: killed unless stopping or off
+    assert child.process.killed == (case == "the supervisor itself did not run")
