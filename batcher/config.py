@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .model_config import (MOVED_KEYS, DynamicBatching, InputConfig, InstanceGroup, LatestPolicy, ModelConfig,
@@ -96,8 +96,8 @@ class ServerConfig(_Strict):
     #: when set, repository requests need ``Authorization: Bearer <token>``.
     repository_token: str | None = None
     #: the token read from this file instead (its content, without surrounding whitespace; read once, when the
-    #: config is loaded): a Kubernetes Secret mounted as a volume, rather than the token in a ConfigMap. An
-    #: absolute path (a relative one is taken from the working directory).
+    #: config is loaded): a Kubernetes Secret mounted as a volume, rather than the token in a ConfigMap; relative
+    #: to the config file.
     repository_token_file: str | None = None
     #: a directory in Triton's repository layout (``<model>/<version>/model.onnx``, KServe's /mnt/models): every
     #: model in it is served besides ``models`` (:mod:`batcher.model_repository`); relative to the config file.
@@ -144,8 +144,9 @@ class ServerConfig(_Strict):
     keep_heap: bool = True
     #: multi-process mode: a front end or engine process whose event loop has not run for this many seconds
     #: (SIGSTOP, a deadlock, a C call holding the GIL) is killed and restarted as if it had died
-    #: (batcher.heartbeat); null: never. Raise it for models whose load holds the GIL longer.
-    stall_timeout_s: float | None = Field(30.0, gt=0)
+    #: (batcher.heartbeat), loading its models too; null: never. Raise it for models whose load holds the GIL
+    #: longer. At least 3: processes beat every 0.5 s and the supervisor looks every 0.5-1 s.
+    stall_timeout_s: float | None = Field(30.0, ge=3)
 
     @model_validator(mode="before")
     @classmethod
@@ -173,6 +174,16 @@ class ServerConfig(_Strict):
         if not token:
             raise ValueError(f"repository_token_file {path!r} is empty")
         return {**data, "repository_token": token}
+
+    @field_validator("repository_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        """A bearer token a client can send: printable ASCII without spaces (RFC 6750's token characters and
+        more), at least one character; an empty one locked the repository API for good."""
+        if v is not None and (not v or any(not 0x21 <= ord(c) <= 0x7E for c in v)):
+            raise ValueError("repository_token must be one or more printable ASCII characters without spaces "
+                             "(a token a client can send in Authorization: Bearer <token>)")
+        return v
 
     @model_validator(mode="after")
     def _budget(self) -> ServerConfig:
@@ -345,6 +356,11 @@ def load_config(path: str | Path | None = None, model_repository: str | None = N
     from .model_repository import add_repository
 
     data, source = add_repository(data, model_repository, path, source)
+    server = data.get("server") if isinstance(data, dict) else None
+    if path is not None and isinstance(server, dict) and isinstance(server.get("repository_token_file"), str):
+        # relative to the config file, as model paths are (an absolute one stays as it is)
+        folder = Path(path).resolve().parent
+        data = {**data, "server": {**server, "repository_token_file": str(folder / server["repository_token_file"])}}
     config = parse_config(data, source)
     if path is None:
         return config

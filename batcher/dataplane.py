@@ -39,7 +39,7 @@ from .shm import SharedMemoryRegistry, uses_shm
 from .signature import ModelSignature
 from .strategy import Strategy
 from .topology import uses_gpu
-from .triton_config import PLATFORMS, apply_model_config, model_config_json
+from .triton_config import PLATFORMS, apply_model_config, config_changes, model_config_json, with_changes
 
 T = TypeVar("T")
 
@@ -59,9 +59,17 @@ def request_deadline(received: float, timeout_us: int | None, default_timeout_s:
 
 
 async def load_versions(repository: ModelRepository, slots: list[ModelSlot], config: dict[str, Any] | None) -> None:
-    """Load ``slots``; with ``config`` (Triton's model-config JSON, a repository load's ``parameters.config``)
-    applied first to every one (:func:`batcher.triton_config.apply_model_config`, all or none): a version whose
-    config changes is reloaded, its requests in flight finishing on the old load (:meth:`ModelRepository.reload`).
+    """Load ``slots``, the served versions of one model; with ``config`` (Triton's model-config JSON, a repository
+    load's ``parameters.config``) applied first, all or none: a version whose config changes is reloaded, its
+    requests in flight finishing on the old load (:meth:`ModelRepository.reload`).
+
+    ``config`` is read as the model's config as ``GET /v2/models/{m}/config`` shows it, its highest served
+    version's (Triton's versions share one config; ours may differ, e.g. a canary's ``weight``): what it changes
+    there (:func:`batcher.triton_config.apply_model_config`, then :func:`~batcher.triton_config.config_changes`)
+    is written over every version's own config, the rest of each staying as it is. So what GET shows loads back
+    changing nothing (a new user's report: loading it back gave every version the highest one's weight and batch
+    settings, a 90/10 canary became 50/50), and a change made there applies to every version. Each version is
+    checked against the config too (its identity, tensors and the result).
 
     Raises:
         InvalidInput: the config is refused. ConfigError: a version fails to load.
@@ -70,7 +78,11 @@ async def load_versions(repository: ModelRepository, slots: list[ModelSlot], con
         for slot in slots:
             if slot.last_signature is None:  # never loaded: its tensors are needed to apply the config
                 await repository.load(slot)
-        configs = [apply_model_config(slot.cfg, slot.last_signature, config) for slot in slots]
+        for slot in slots:
+            apply_model_config(slot.cfg, slot.last_signature, config)  # refused for any version: nothing changes
+        shown = max(slots, key=lambda s: int(s.version))
+        changes = config_changes(shown.cfg, apply_model_config(shown.cfg, shown.last_signature, config))
+        configs = [with_changes(slot.cfg, changes) if changes else slot.cfg for slot in slots]
     else:
         configs = [slot.cfg for slot in slots]
     for slot, cfg in zip(slots, configs):

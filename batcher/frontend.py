@@ -320,7 +320,7 @@ class RemoteDataPlane:
         self.catalog.slot(model, None)
         links = {link for cfg in self.config.models if cfg.name == model
                  for link in self._links_of[(cfg.name, str(cfg.version))]}
-        await asyncio.gather(*(link.call(method, model, *args) for link in links))
+        await asyncio.gather(*(link.call(method, model, *args, timeout_s=None) for link in links))
 
     async def shm_register(self, kind: str, name: str, **params: Any) -> None:
         """Register a region in every running engine process (as :meth:`__getattr__`'s methods), remembered as

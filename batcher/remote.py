@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: seconds between attempts to reach an engine process that is down, doubling up to the second figure.
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.05, 1.0
+#: seconds a control call (metadata, config, readiness, statistics, the index, shared-memory registrations) waits
+#: for its engine process before 503; loads and unloads wait as long as they take (:meth:`EngineLink.call`).
+CALL_TIMEOUT_S = 10.0
 
 
 class EngineLost(Unavailable):
@@ -324,18 +327,25 @@ class EngineLink:
             return True
         return False
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A data-plane method in the engine process.
+    async def call(self, method: str, *args: Any, timeout_s: float | None = CALL_TIMEOUT_S, **kwargs: Any) -> Any:
+        """A data-plane method in the engine process, answered within ``timeout_s`` (None: however long it takes,
+        e.g. a model's load).
 
         Raises:
-            the method's BatcherError (as :class:`RemoteError`); Unavailable: the engine process is down.
+            the method's BatcherError (as :class:`RemoteError`); Unavailable: the engine process is down, or did
+            not answer in time (stopped or stuck: a stalled engine process is killed after
+            ``server.stall_timeout_s``, :mod:`batcher.heartbeat`; the call may still run when it resumes).
         """
         if not self.connected:
             raise Unavailable(f"the {self.name} is not running; it is being restarted", retry_after_s=1)
         cid = next(self._cids)
         fut = self._calls[cid] = asyncio.get_running_loop().create_future()
         self._channel.send((CALL, cid, method, args, kwargs))
-        _, _, ok, value = await fut
+        try:
+            _, _, ok, value = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            self._calls.pop(cid, None)
+            raise Unavailable(f"the {self.name} did not answer within {timeout_s:g} s", retry_after_s=1) from None
         if not ok:
             raise RemoteError(*value)
         return value

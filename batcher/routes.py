@@ -214,7 +214,9 @@ def _repository(request: web.Request) -> None:
         raise ModelNotFound("the repository API is disabled (server.repository_api: false)")
     if server.repository_token is not None:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {server.repository_token}".encode()):
+        # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) compare unequal, not 500
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   f"Bearer {server.repository_token}".encode()):
             raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>")
 
 

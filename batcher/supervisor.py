@@ -59,6 +59,9 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 5.0
 STABLE_S = 10.0
 #: seconds the supervisor waits for processes to exit after the front ends' drain before killing them.
 EXIT_WAIT_S = 30.0
+#: a gap between two of the supervisor's stall checks (every 0.5-1 s) longer than this, or than half of
+#: ``server.stall_timeout_s``, means the supervisor itself did not run: no child is judged on that check.
+SELF_STALL_S = 1.5
 _LOG_FORMAT = "%(asctime)s %(levelname)s {role}%(name)s: %(message)s"
 
 
@@ -414,6 +417,7 @@ class Supervisor:
             if self.stopping:
                 return 0
             self._wait(1.0)
+            self._kill_stalled(time.monotonic())  # one stuck while loading exits, and the start fails
             for c in self.engines:
                 if not c.is_ready and not c.alive:
                     log.error("the %s process exited (code %s) before it was ready", c.name, c.process.exitcode)
@@ -474,16 +478,18 @@ class Supervisor:
                     c.start(self.ctx)
 
     def _kill_stalled(self, now: float) -> None:
-        """SIGKILL each ready child whose event loop has not run for ``server.stall_timeout_s``
-        (:mod:`batcher.heartbeat`); :meth:`_supervise` then restarts it as any child that died. Not while stopping,
-        and not right after this process itself did not run for half that time (it was stopped, or the machine
-        stalled: every child's heartbeat looks old then, through no fault of theirs)."""
+        """SIGKILL each child whose event loop has not run for ``server.stall_timeout_s`` since its first beat
+        (:mod:`batcher.heartbeat`; loading its models or ready), as its death is then handled: restarted by
+        :meth:`_supervise`, a first start's failure in :meth:`_start_engines`, its requests answered 503 during a
+        drain (SIGTERM; never restarted then). Not after SIGINT, and not right after this process itself did not
+        run for half that time or :data:`SELF_STALL_S` (it was stopped, or the machine stalled: every child's
+        heartbeat looks old then, through no fault of theirs)."""
         timeout = self.server.stall_timeout_s
         last, self._checked_at = self._checked_at, now
-        if timeout is None or self.stopping is not None or now - last > timeout / 2:
+        if timeout is None or self.stopping == "now" or now - last > max(timeout / 2, SELF_STALL_S):
             return
         for c in self.engines + self.frontends:
-            late = c.heartbeat.stalled(now, timeout) if c.alive and c.is_ready and c.heartbeat else None
+            late = c.heartbeat.stalled(now, timeout) if c.alive and c.heartbeat else None
             if late is not None:
                 log.warning("the %s process (pid %d) has not run its event loop for %.1f s (stopped, or stuck; "
                             "server.stall_timeout_s %g): killing it", c.name, c.process.pid, late, timeout)

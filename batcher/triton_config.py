@@ -319,9 +319,57 @@ def apply_model_config(cfg: ModelConfig, signature: ModelSignature, doc: Any) ->
             update["intra_op_threads"] = _int(value, "parameters.intra_op_thread_count.string_value")
     if unsupported:
         raise InvalidInput("parameters.config: fields this server does not support: " + ", ".join(unsupported))
+    return _validated({**cfg.model_dump(), **update})
+
+
+def _validated(doc: dict[str, Any]) -> ModelConfig:
+    """``doc`` (a model config's fields) as a ModelConfig.
+
+    Raises:
+        InvalidInput: each problem as ``path: message (got value)``; a rule across fields (no path) or a value the
+            message names already is not repeated, as :func:`batcher.config.parse_config` does.
+    """
     try:
-        return ModelConfig.model_validate({**cfg.model_dump(), **update})
+        return ModelConfig.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')} "
-                             f"(got {e.get('input')!r})" for e in exc.errors())
-        raise InvalidInput(f"parameters.config: {problems}") from None
+        problems = []
+        for e in exc.errors():
+            where, msg, value = ".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, "), e.get("input")
+            shown = "" if isinstance(value, (dict, list)) or repr(value) in msg else f" (got {value!r})"
+            problems.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")
+        raise InvalidInput("parameters.config: " + "; ".join(problems)) from None
+
+
+def config_changes(before: ModelConfig, after: ModelConfig) -> dict[str, Any]:
+    """The fields of ``after`` that differ from ``before``: nested objects field by field, anything else (lists,
+    values) whole."""
+
+    def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in new.items():
+            was = old.get(key)
+            if isinstance(value, dict) and isinstance(was, dict):
+                if sub := changes(was, value):
+                    out[key] = sub
+            elif value != was:
+                out[key] = value
+        return out
+
+    return changes(before.model_dump(), after.model_dump())
+
+
+def with_changes(cfg: ModelConfig, changes: dict[str, Any]) -> ModelConfig:
+    """``cfg`` with :func:`config_changes`' ``changes`` written over it (the rest of ``cfg`` as it is).
+
+    Raises:
+        InvalidInput: the result is not a valid config for this model (e.g. another version's preferred batch
+            sizes above the new max_batch_size).
+    """
+
+    def patched(doc: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+        out = dict(doc)
+        for key, value in changes.items():
+            out[key] = patched(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    return _validated(patched(cfg.model_dump(), changes))

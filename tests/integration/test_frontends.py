@@ -444,15 +444,23 @@ def _ready(base: str) -> bool:
     return False
 
 
+LABELS = {"model": "tiny_cnn", "version": "1"}
+
+
+def _one_engine(start_server, stall_timeout_s: float | None, **queue_policy) -> tuple[ServerProcess, int]:
+    """A server of one front end and one engine process serving tiny_cnn, and the engine process's pid."""
+    model = {**TINY, "dynamic_batching": {"default_queue_policy": queue_policy}}
+    server = start_server({"server": {"frontends": 1, "stall_timeout_s": stall_timeout_s}, "models": [model]})
+    _wait_log(server, r"serving KServe v2")
+    return server, int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+
+
 async def test_a_stopped_engine_process_still_gets_its_requests_answered_504_at_their_deadline(start_server):
     """SIGSTOP of the engine process (``server.stall_timeout_s`` null: never killed): a request with a timeout is
     answered 504 by its front end soon after its deadline (its engine process would have; a user's requests waited
     for as long as the process was stopped), and the engine process, once SIGCONT, counts it ``timeout`` (the
     front end's ABORT says so) and serves on."""
-    server = start_server({"server": {"frontends": 1, "stall_timeout_s": None}, "models": [TINY]})
-    _wait_log(server, r"serving KServe v2")
-    engine = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
-    labels = {"model": "tiny_cnn", "version": "1"}
+    server, engine = _one_engine(start_server, None)
     async with aiohttp.ClientSession() as s:
         assert (await _post_tiny(s, server.base))[0] == 200
         os.kill(engine, signal.SIGSTOP)
@@ -462,10 +470,10 @@ async def test_a_stopped_engine_process_still_gets_its_requests_answered_504_at_
             os.kill(engine, signal.SIGCONT)
         assert status == 504
         assert body["error"] == "model 'tiny_cnn': no answer from the engine process by the request's deadline"
-        await until(lambda: server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1)
+        await until(lambda: server.metric("batcher_request_failure_total", reason="timeout", **LABELS) == 1)
         assert (await _post_tiny(s, server.base))[0] == 200
-    assert server.metric("batcher_request_success_total", **labels) == 2
-    assert server.metric("batcher_request_failure_total", reason="canceled", **labels) == 0
+    assert server.metric("batcher_request_success_total", **LABELS) == 2
+    assert server.metric("batcher_request_failure_total", reason="canceled", **LABELS) == 0
     assert server.metric("batcher_process_restart_total", process="engine") == 0
     assert server.stop() == 0
     assert "Traceback" not in server.log() and " ERROR " not in server.log()
@@ -474,16 +482,15 @@ async def test_a_stopped_engine_process_still_gets_its_requests_answered_504_at_
 async def test_a_stalled_engine_process_is_killed_and_restarted_after_server_stall_timeout_s(start_server):
     """SIGSTOP of the engine process: after ``server.stall_timeout_s`` without a heartbeat of its event loop the
     supervisor kills it (batcher.heartbeat) and starts it again. Meanwhile a request with a timeout gets 504 from
-    its front end, one without gets 503 when the process is killed (as for any engine death); each counted once,
+    its front end, one without (the model's default far off) gets 503 when the process is killed (as for any engine
+    death); each counted once,
     by the front end (the engine process died without counting them)."""
-    server = start_server({"server": {"frontends": 1, "stall_timeout_s": 2}, "models": [TINY]})
-    _wait_log(server, r"serving KServe v2")
-    engine = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
-    labels = {"model": "tiny_cnn", "version": "1"}
+    # the model's default deadline far off: the request without a timeout of its own waits for the kill
+    server, engine = _one_engine(start_server, 3, default_timeout_microseconds=120_000_000)
     async with aiohttp.ClientSession() as s:
         assert (await _post_tiny(s, server.base))[0] == 200
         os.kill(engine, signal.SIGSTOP)
-        waiting = asyncio.create_task(_post_tiny(s, server.base))  # no deadline: answered when the process is killed
+        waiting = asyncio.create_task(_post_tiny(s, server.base))  # answered when the process is killed
         status, body = await _post_tiny(s, server.base, timeout=100_000)
         assert status == 504, body
         status, body = await waiting
@@ -495,8 +502,8 @@ async def test_a_stalled_engine_process_is_killed_and_restarted_after_server_sta
         assert (await _post_tiny(s, server.base))[0] == 200
     assert server.metric("batcher_process_restart_total", process="engine") == 1
     assert server.metric("batcher_process_restart_total", process="frontend") == 0
-    assert server.metric("batcher_request_failure_total", reason="timeout", **labels) == 1
-    assert server.metric("batcher_request_failure_total", reason="rejected", **labels) == 1
+    assert server.metric("batcher_request_failure_total", reason="timeout", **LABELS) == 1
+    assert server.metric("batcher_request_failure_total", reason="rejected", **LABELS) == 1
     assert server.stop() == 0
 
 

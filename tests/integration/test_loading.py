@@ -185,6 +185,13 @@ async def test_repository_api_states_auth_and_sticky_unload(start_server, tmp_pa
                            "models": _models("tiny_cnn")})
     assert _post(server, "/v2/repository/index")[0] == 401
     assert _post(server, "/v2/repository/index", "wrong")[0] == 401
+    # a header that is not UTF-8: 401 too (it was a 500 with an ERROR line and a traceback)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                 b"Authorization: Bearer \xff\r\nConnection: close\r\n\r\n{}")
+    assert (await reader.read()).split(b"\r\n", 1)[0] == b"HTTP/1.1 401 Unauthorized"
+    writer.close()
+    assert " ERROR " not in server.log()
     status, body = _post(server, "/v2/repository/models/tiny_cnn/unload", "s3cret")
     assert status == 200
     index = orjson.loads(_post(server, "/v2/repository/index", "s3cret")[1])

@@ -239,6 +239,25 @@ def test_the_repository_token_may_come_from_a_file_and_never_from_both(tmp_path)
     assert parse_config(doc).server.repository_token == "s3cret"
     with pytest.raises(ConfigError, match="set repository_token or repository_token_file, not both"):
         parse_config({**doc, "server": {**server, "repository_token": "x"}})
+    (tmp_path / "token").write_text("ab\ncd\n")  # a token no header can carry
+    with pytest.raises(ConfigError, match="repository_token must be one or more printable ASCII characters"):
+        parse_config(doc)
+
+
+@pytest.mark.parametrize("token", ["", "  ", "a b", "caf\u00e9"])
+def test_a_repository_token_no_client_can_send_is_refused(token):
+    doc = {"server": {"repository_api": True, "repository_token": token}, "models": [{"name": "m", "path": "p"}]}
+    with pytest.raises(ConfigError, match="repository_token must be one or more printable ASCII characters"):
+        parse_config(doc)
+
+
+def test_a_relative_repository_token_file_is_taken_from_the_config_files_folder(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "token").write_text("s3cret\n")
+    (tmp_path / "conf" / "server.yaml").write_text(
+        "server: {repository_api: true, repository_token_file: token}\nmodels: [{name: m, path: p.onnx}]\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(tmp_path / "conf" / "server.yaml").server.repository_token == "s3cret"
 
 
 def test_uvloop_without_uvloop_installed_is_a_config_error_at_load(monkeypatch):

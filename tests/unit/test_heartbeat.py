@@ -29,6 +29,20 @@ def _beat_in_child(hb: Heartbeat, when: float) -> None:
     hb.set(when)
 
 
+def test_a_short_stall_timeout_still_kills():
+    """stall_timeout_s 3 (the least allowed) with the supervisor's checks 0.5-1 s apart: checks are not skipped
+    as the supervisor's own stall (with half the timeout alone as that bound, every check was skipped at 1 s)."""
+    child = _child("engine-cpu", 96.0)
+    sup = _supervisor([child], 3, checked_at=99.0)
+    Supervisor._kill_stalled(sup, 100.0)
+    assert child.process.killed
+
+
+def test_stall_timeout_s_below_3_is_refused():
+    with pytest.raises(ValueError, match="greater than or equal to 3"):
+        ServerConfig(stall_timeout_s=1)
+
+
 def test_a_heartbeat_passed_to_a_spawned_child_is_the_same_memory_and_not_in_dev_shm():
     hb = Heartbeat()
     assert all("/dev/shm/" not in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
@@ -76,22 +90,26 @@ def _supervisor(children: list, timeout: float | None, checked_at: float, stoppi
                            engines=children[:1], frontends=children[1:])
 
 
-def test_the_supervisor_kills_the_ready_children_whose_heartbeat_is_older_than_stall_timeout_s():
-    stalled, fresh, starting = _child("engine-cpu", 60.0), _child("frontend-0", 99.0), _child("frontend-1", 1.0, False)
-    sup = _supervisor([stalled, fresh, starting], 30, checked_at=99.5)
+def test_the_supervisor_kills_the_children_whose_heartbeat_is_older_than_stall_timeout_s_loading_or_ready():
+    """A child stuck while it loads its models (not ready yet) is killed too (a new user's report: a restarted
+    engine process stopped while loading kept its models 503 for good); one that has not beaten yet is not, nor
+    one that beat within the timeout; during a drain (SIGTERM) too (its requests then get 503 at once)."""
+    children = [_child("engine-cpu", 60.0), _child("frontend-0", 99.0), _child("frontend-1", 60.0, ready=False),
+                _child("frontend-2", 99.0, ready=False), _child("frontend-3", 0.0, ready=False)]
+    sup = _supervisor(children, 30, checked_at=99.5, stopping="drain")
     Supervisor._kill_stalled(sup, 100.0)
-    assert [c.process.killed for c in (stalled, fresh, starting)] == [True, False, False]
+    assert [c.process.killed for c in children] == [True, False, True, False, False]
     assert sup._checked_at == 100.0
 
 
-@pytest.mark.parametrize("case", ["the supervisor itself did not run", "stopping", "never"])
-def test_no_child_is_killed_when_the_supervisor_stalled_is_stopping_or_the_check_is_off(case):
+@pytest.mark.parametrize("case", ["the supervisor itself did not run", "after SIGINT", "never"])
+def test_no_child_is_killed_when_the_supervisor_stalled_after_sigint_or_when_the_check_is_off(case):
     child = _child("engine-cpu", 10.0)
     timeout, checked_at, stopping = 30, 99.5, None
     if case == "the supervisor itself did not run":
         checked_at = 80.0  # its last check 20 s ago, more than half the timeout: every heartbeat looks old
-    elif case == "stopping":
-        stopping = "drain"
+    elif case == "after SIGINT":
+        stopping = "now"
     else:
         timeout = None
     sup = _supervisor([child], timeout, checked_at, stopping)

@@ -238,6 +238,31 @@ async def test_a_request_its_engine_has_not_answered_past_its_deadline_gets_504_
         assert engine.rows_run == 1 and engine.count(reason="canceled") == 0
 
 
+async def test_a_control_call_its_engine_does_not_answer_in_time_is_503_and_the_link_serves_on():
+    """EngineLink.call's timeout (a stopped engine process held model readiness, metadata and the index for as
+    long as it was stopped); loads and unloads wait as long as they take (timeout_s None)."""
+    async with served([{"name": "m", "max_batch_size": 8}]) as (remote, engines):
+        dataplane = engines[None].dataplane
+        gate = asyncio.Event()
+
+        async def stuck(*args, **kwargs):
+            await gate.wait()
+            return {"model_stats": []}
+
+        dataplane.statistics = stuck  # as an engine process that does not run
+        with pytest.raises(Unavailable) as exc:
+            await remote.links[0].call("statistics", None, None, timeout_s=0.05)
+        assert exc.value.message == "the engine process for cpu did not answer within 0.05 s"
+        assert exc.value.retry_after_s == 1 and remote.links[0]._calls == {}
+        waiting = asyncio.create_task(remote.links[0].call("statistics", None, None, timeout_s=None))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        gate.set()
+        assert await waiting == {"model_stats": []}
+        del dataplane.statistics
+        assert (await remote.model_config("m"))["name"] == "m"
+
+
 async def test_a_lost_front_end_has_its_requests_dropped_and_counted():
     async with served([{"name": "m", "max_batch_size": 64}]) as (remote, engines):
         engine = engines[None]

@@ -195,7 +195,40 @@ def _zoo_models() -> list[dict]:
     versions = [{"name": "tiny_versions", "path": "zoo:tiny_cnn", "version": v, "max_batch_size": 4,
                  "instance_group": [{"count": 2, "weight": 3}, {"count": 1, "weight": 0}]} for v in (1, 2, 3)]
     versions[-1]["version_policy"] = {"latest": 2}
+    # served versions that differ (a canary): loading the model's config back must not make them alike
+    versions[1] |= {"max_batch_size": 8, "instance_group": [{"count": 1, "weight": 9}],
+                    "dynamic_batching": {"max_queue_delay_microseconds": 300, "priority_levels": 2}}
     return [*models, *versions]
+
+
+async def test_a_change_to_the_models_config_applies_to_every_version_and_keeps_what_differs_between_them():
+    """A load's config is the model's as GET shows it (its highest served version): what it changes there is
+    written over each version's own config. Versions 2 (weight 9, max 8, 2 priority levels) and 3 (weight 3 and 0,
+    max 4): a new max_queue_delay_microseconds reaches both, and each keeps its own groups and batch sizes; a new
+    max_batch_size too. Before, every version got version 3's whole document (a 90/10 canary became 50/50)."""
+    from batcher.dataplane import DataPlane
+    from batcher.metrics import Metrics
+
+    config = parse_config({"routing": {"strategy": "weighted"},
+                           "models": [m for m in _zoo_models() if m["name"] == "tiny_versions"]})
+    dp = DataPlane(config, Metrics())
+    await dp.start()
+    try:
+        shown = await dp.model_config("tiny_versions")
+        before = {v: dp.repository.slot("tiny_versions", v).cfg for v in ("2", "3")}
+        shown["dynamic_batching"]["max_queue_delay_microseconds"] = 700
+        shown["max_batch_size"] = 6
+        await dp.load("tiny_versions", json.loads(json.dumps(shown)))
+        after = {v: dp.repository.slot("tiny_versions", v).cfg for v in ("2", "3")}
+        for v in ("2", "3"):
+            assert after[v].dynamic_batching.max_queue_delay_microseconds == 700
+            assert after[v].max_batch_size == 6
+            assert after[v].instance_group == before[v].instance_group
+            assert after[v].dynamic_batching.priority_levels == before[v].dynamic_batching.priority_levels
+        assert [g.weight for g in after["2"].instance_group] == [9]
+        assert [g.weight for g in after["3"].instance_group] == [3, 0]
+    finally:
+        await dp.close()
 
 
 async def test_get_config_loads_back_unchanged_for_every_zoo_model():
@@ -223,3 +256,12 @@ async def test_get_config_loads_back_unchanged_for_every_zoo_model():
             len(dp.repository.served_versions(n)) for n in names)  # the start's loads only
     finally:
         await dp.close()
+
+
+def test_a_config_refused_by_a_rule_across_fields_says_so_without_an_empty_path_or_the_whole_config():
+    """A new user's report: the message was ``parameters.config: : ... (got {the whole config as a dict})``."""
+    cfg = _cfg(max_batch_size=8, dynamic_batching={"preferred_batch_size": [8, 2]})
+    with pytest.raises(InvalidInput) as exc:
+        apply_model_config(cfg, _sig(), {"max_batch_size": 4})
+    assert exc.value.message == ("parameters.config: dynamic_batching.preferred_batch_size [8, 2] exceeds "
+                                 "max_batch_size 4")
