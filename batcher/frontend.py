@@ -20,6 +20,7 @@ from .config import Config, ModelConfig
 from .dataplane import late_answer, request_deadline
 from .outcomes import Inflight
 from .errors import BatcherError, RemoteError, Unavailable
+from .heartbeat import Heartbeat
 from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
@@ -31,6 +32,10 @@ from .topology import Engine, engine_slots, engines, model_engines, weight
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: an engine process whose heartbeat is older than a third of ``server.stall_timeout_s`` (this default when that
+#: is null), and at least the first figure, is not routed to and makes readiness false (:meth:`EngineLink.up`)
+STALE_MIN_S, STALE_DEFAULT_S = 3.0, 10.0
 
 #: a request whose engine process has not answered this many seconds after its deadline (stopped, or stuck; it
 #: answers 504 itself at the deadline otherwise) is answered 504 by its front end
@@ -46,12 +51,16 @@ class RemoteDataPlane:
         metrics: counts what no engine can (a request for a model whose engine processes are all down).
     """
 
-    def __init__(self, config: Config, metrics: Metrics, paths: dict[Engine, str]) -> None:
+    def __init__(self, config: Config, metrics: Metrics, paths: dict[Engine, str],
+                 beats: dict[Engine, Heartbeat] | None = None) -> None:
+        """``beats``: the engine processes' heartbeats (None: not watched)."""
         self.config = config
         self.metrics = metrics
         self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
-        self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions, self._count_lost)
+        stale_s = max(STALE_MIN_S, (config.server.stall_timeout_s or STALE_DEFAULT_S * 3) / 3)
+        self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions, self._count_lost,
+                                 (beats or {}).get(e), stale_s)
                       for e in engines(config)]
         by_engine = {link.engine: link for link in self.links}
         self._links_of = {(m.name, str(m.version)): [by_engine[e] for e in model_engines(config, m)]
@@ -66,8 +75,8 @@ class RemoteDataPlane:
     # ---------------------------------------------------------------- lifecycle
     @property
     def ready(self) -> bool:
-        """Started, not draining, and every engine process connected."""
-        return self._started and not self._draining and all(link.connected for link in self.links)
+        """Started, not draining, and every engine process connected and running (:meth:`EngineLink.up`)."""
+        return self._started and not self._draining and all(link.up() for link in self.links)
 
     async def start(self) -> None:
         """Connect to every engine process (they are ready before front ends start; one being restarted when this
@@ -154,7 +163,7 @@ class RemoteDataPlane:
         process that could serve it is down."""
         key = request.routing_key if request is not None else None
         cfgs = self._served_cfgs(cfg.name) if not named and self.strategy.spreads(key) else [cfg]
-        options = [(link, c) for c in cfgs for link in self._links_of[(c.name, str(c.version))] if link.connected]
+        options = [(link, c) for c in cfgs for link in self._links_of[(c.name, str(c.version))] if link.up()]
         if not options:
             return None
         if request is None or len(options) == 1:
@@ -202,6 +211,9 @@ class RemoteDataPlane:
         route = self._route(cfg, named, request)
         if route is None:
             self._count_here(cfg, "rejected", received)
+            if any(link.connected for link in self._links_of[(cfg.name, str(cfg.version))]):
+                raise Unavailable(f"model '{cfg.name}': the engine process serving it has stopped running (stopped "
+                                  "or stuck); it is restarted once server.stall_timeout_s passes", retry_after_s=1)
             raise Unavailable(f"model '{cfg.name}': the engine process serving it is not running; it is being "
                               "restarted", retry_after_s=1)
         link, cfg = route
@@ -416,10 +428,11 @@ def merge_index(models: list[ModelConfig], docs: list[tuple[set[tuple[str, str]]
 
 # ---------------------------------------------------------------------------------------------- process entry
 def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: str, port: int, access_log: bool,
-                  log_level: str, heartbeat: Any, ready: Any) -> None:
+                  log_level: str, engine_beats: dict[Engine, Any], heartbeat: Any, ready: Any) -> None:
     """A front-end process (``multiprocessing`` spawn target): the HTTP app on ``host:port`` with
     ``SO_REUSEPORT``, until SIGTERM (drain, then exit) or SIGINT. ``ready`` gets ``("ready", pid)`` once it
-    listens; ``heartbeat`` (:class:`batcher.heartbeat.Heartbeat`) beats while the app runs."""
+    listens; ``heartbeat`` (:class:`batcher.heartbeat.Heartbeat`) beats while the app runs; ``engine_beats``: the
+    engine processes' heartbeats (:meth:`EngineLink.responsive`)."""
     import os
 
     from aiohttp import web
@@ -429,7 +442,7 @@ def frontend_main(config: Config, index: int, paths: dict[Engine, str], host: st
     from .supervisor import child_setup, freeze_on_startup, new_event_loop
 
     child_setup(f"frontend {index}", log_level, config.server.keep_heap)
-    app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths))
+    app = create_app(config, remote=lambda metrics: RemoteDataPlane(config, metrics, paths, engine_beats))
     app.on_startup.append(freeze_on_startup)
     app.cleanup_ctx.append(beat_ctx(heartbeat))
     web.run_app(

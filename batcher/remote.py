@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import DeadlineExceeded, RemoteError, Unavailable
+from .heartbeat import Heartbeat
 from .outcomes import OVERDUE
 from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, pack_tensors, recv_hello, request_fields, unpack_tensors)
@@ -91,10 +93,12 @@ class EngineLink:
 
     def __init__(self, engine: Engine, path: str, keys: list[tuple[str, str]],
                  on_reconnect: Callable[[EngineLink], Awaitable[None]] | None = None,
-                 count_lost: Callable[[tuple[str, str], str], None] | None = None) -> None:
+                 count_lost: Callable[[tuple[str, str], str], None] | None = None,
+                 heartbeat: Heartbeat | None = None, stale_s: float = 10.0) -> None:
         """``on_reconnect``: awaited each time the link is back after its engine process restarted.
         ``count_lost(key, reason)``: counts, in the front end, an outcome the engine process died without counting
-        (a request answered by :meth:`expire`)."""
+        (a request answered by :meth:`expire`). ``heartbeat``: the engine process's (:mod:`batcher.heartbeat`), older
+        than ``stale_s`` seconds: it is not :meth:`up`."""
         self.engine = engine
         self.on_reconnect = on_reconnect
         self.name = f"engine process for {engine.name}"
@@ -112,6 +116,7 @@ class EngineLink:
         self._outstanding = [0] * len(keys)  # this front end's requests without an outcome, per model version
         self._calls: dict[int, asyncio.Future] = {}
         self.count_lost = count_lost
+        self.heartbeat, self.stale_s = heartbeat, stale_s
         self._overdue: dict[int, tuple[str, str]] = {}  # answered by expire(), not heard of from the engine yet
         self._cids = itertools.count()
         self._reconnecting: asyncio.Task | None = None
@@ -208,6 +213,12 @@ class EngineLink:
             self._reconnecting.cancel()
         if self._channel is not None:
             self._channel.close()
+
+    def up(self) -> bool:
+        """Connected, and its engine process has run its event loop within ``stale_s`` (a stopped or stuck one,
+        killed only after ``server.stall_timeout_s``, gets no new requests and makes readiness false meanwhile)."""
+        return self.connected and (self.heartbeat is None
+                                   or self.heartbeat.stalled(time.monotonic(), self.stale_s) is None)
 
     def load(self, key: tuple[str, str]) -> float:
         """Requests for model version ``key`` in the engine now (its status area), or this front end's requests

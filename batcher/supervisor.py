@@ -225,15 +225,15 @@ class _Child:
         self.backoff = 0.0
         self.restart_at: float | None = None
         self.is_ready = False
-        self.heartbeat: Heartbeat | None = None
+        #: the child's heartbeat (one for every process started as this child: the front ends read the engine
+        #: processes', :meth:`batcher.remote.EngineLink.responsive`), 0.0 again at each start
+        self.heartbeat = Heartbeat()
 
     def start(self, ctx: Any) -> None:
-        """Start the process: ``target(*args, heartbeat, ready)``, with a new :class:`batcher.heartbeat.Heartbeat`
-        and the write end of a new readiness pipe."""
+        """Start the process: ``target(*args, heartbeat, ready)``, with :attr:`heartbeat` (set to 0.0) and the
+        write end of a new readiness pipe."""
         r, w = ctx.Pipe(duplex=False)
-        if self.heartbeat is not None:
-            self.heartbeat.close()  # the previous process's
-        self.heartbeat = Heartbeat()
+        self.heartbeat.set(0.0)
         self.process = ctx.Process(target=self.target, args=(*self.args, self.heartbeat, w), name=self.name)
         self.process.start()
         w.close()
@@ -351,8 +351,9 @@ class Supervisor:
         self.paths = {e: os.path.join(self.dir, f"engine-{i}.sock") for i, e in enumerate(engines(config))}
         self.engines = [_Child("engine", f"engine-{e.name}", engine_main,
                                (config, e, self.paths[e], self.server.log_level)) for e in self.paths]
+        beats = {e: c.heartbeat for e, c in zip(self.paths, self.engines)}
         self.frontends = [_Child("frontend", f"frontend-{i}", frontend_main,
-                                 (config, i, self.paths, access_log, self.server.log_level))
+                                 (config, i, self.paths, access_log, self.server.log_level, beats))
                           for i in range(frontends)]
 
     # ---------------------------------------------------------------- signals
@@ -489,7 +490,7 @@ class Supervisor:
         if timeout is None or self.stopping == "now" or now - last > max(timeout / 2, SELF_STALL_S):
             return
         for c in self.engines + self.frontends:
-            late = c.heartbeat.stalled(now, timeout) if c.alive and c.heartbeat else None
+            late = c.heartbeat.stalled(now, timeout) if c.alive else None
             if late is not None:
                 log.warning("the %s process (pid %d) has not run its event loop for %.1f s (stopped, or stuck; "
                             "server.stall_timeout_s %g): killing it", c.name, c.process.pid, late, timeout)

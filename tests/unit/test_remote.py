@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from batcher.dataplane import DataPlane
 from batcher.engine_proc import EngineServer
 from batcher.errors import BatcherError, InvalidInput, Unavailable
 from batcher.frontend import RemoteDataPlane
+from batcher.heartbeat import Heartbeat
 from batcher.metrics import Metrics
 from batcher.protocol import InferRequest, InferResponse
 from batcher.repository import ModelRepository
@@ -261,6 +263,30 @@ async def test_a_control_call_its_engine_does_not_answer_in_time_is_503_and_the_
         assert await waiting == {"model_stats": []}
         del dataplane.statistics
         assert (await remote.model_config("m"))["name"] == "m"
+
+
+async def test_an_engine_whose_heartbeat_is_stale_gets_no_new_requests_and_makes_readiness_false():
+    """EngineLink.up: an engine process stopped or stuck (its heartbeat older than ``stale_s``) is not routed to
+    (503 at once, counted ``rejected`` here, instead of waiting for the deadline or the kill) and readiness is
+    false; once it beats again, both come back."""
+    async with served([{"name": "m", "max_batch_size": 8}]) as (remote, engines):
+        link = remote.links[0]
+        link.heartbeat, link.stale_s = Heartbeat(), 3.0
+        link.heartbeat.set(time.monotonic())
+        assert remote.ready
+        link.heartbeat.set(time.monotonic() - 4.0)
+        assert not remote.ready
+        with pytest.raises(Unavailable) as exc:
+            await remote.infer("m", None, now(), read(request(1)), copy_out)
+        assert exc.value.message == ("model 'm': the engine process serving it has stopped running (stopped or "
+                                     "stuck); it is restarted once server.stall_timeout_s passes")
+        rejected = remote.metrics.registry.get_sample_value(
+            "batcher_request_failure_total", {"model": "m", "version": "1", "reason": "rejected"})
+        assert rejected == 1 and engines[None].rows_run == 0
+        link.heartbeat.set(time.monotonic())
+        assert remote.ready
+        assert (await remote.infer("m", None, now(), read(request(1)), copy_out))[2].tolist() == [[2.0] * 4]
+        link.heartbeat.close()
 
 
 async def test_a_lost_front_end_has_its_requests_dropped_and_counted():
