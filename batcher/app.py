@@ -95,6 +95,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return resp
 
 
+#: seconds after SIGTERM's grace for the 503s of the requests shed then to be written (:meth:`DataPlane.shed`).
+SHED_WAIT_S = 1.0
+
+
 def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown, bodies: BodyBudget) -> None:
     """SIGTERM: readiness turns false at once and new requests get 503 + Retry-After, while accepted requests
     finish (at most ``grace_s``); then SIGINT starts aiohttp's graceful exit, which releases the models.
@@ -108,6 +112,10 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown, 
         cut = bodies.cut()  # bodies still arriving at the end of the grace: 503, not a close with no answer
         if cut:
             log.info("SIGTERM: %d request body(ies) still arriving after the grace; answered 503", cut)
+        shed = dataplane.shed()  # requests still queued: 503 too (the exit closed them without an answer)
+        if shed:
+            log.info("SIGTERM: %d accepted request(s) still queued after the grace; answered 503", shed)
+            await dataplane.drain(SHED_WAIT_S)  # their answers written (batches executing may still end meanwhile)
         try:
             await close_the_door()
         except Exception:  # never keeps the process from exiting

@@ -287,6 +287,8 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
             value = err.get("input")
             # a whole section (a rule across its keys) or a value the message names already is not repeated
             shown = "" if isinstance(value, (dict, list)) or repr(value) in msg else f" (got {value!r})"
+            if where.endswith("repository_token"):  # a secret: never printed
+                shown = ""
             lines.append(f"{where}: {msg}{shown}")
         raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines)) from None
 

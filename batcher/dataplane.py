@@ -148,6 +148,11 @@ class DataPlane:
         self.ready = False
         await self._inflight.wait_quiet(grace_s)
 
+    def shed(self) -> int:
+        """SIGTERM's grace is over: every request still queued is answered 503 (:meth:`ModelRunner.shed`), so
+        that it gets an answer before the exit closes its connection; how many."""
+        return sum(s.runner.shed() for s in self.repository.all() if s.runner is not None)
+
     async def close(self) -> None:
         """Stop every model; queued requests get 503, running batches finish, memory is released."""
         self.ready = False

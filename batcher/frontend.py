@@ -134,6 +134,12 @@ class RemoteDataPlane:
         self._draining = True
         await self._inflight.wait_quiet(grace_s)
 
+    def shed(self) -> int:
+        """SIGTERM's grace is over: every request of this front end still waiting for its engine process is
+        answered 503 now (:meth:`EngineLink.shed`), before the exit closes its connection; how many."""
+        error = Unavailable("the server is shutting down and its drain's grace (server.shutdown_grace_s) is over")
+        return sum(link.shed(error) for link in self.links)
+
     async def close(self) -> None:
         self._draining = True
         if self._expiring is not None:

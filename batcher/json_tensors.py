@@ -46,7 +46,10 @@ def json_literal(v: Any) -> str:
         return {True: "true", False: "false", None: "null"}[v]
     if isinstance(v, (int, float)):
         return repr(v)
-    text = orjson.dumps(v, default=str).decode()
+    try:
+        text = orjson.dumps(v, default=str).decode()
+    except (TypeError, orjson.JSONEncodeError):  # nested past orjson's 255 levels (it parses 1,024): not a 500
+        text = ("[" if isinstance(v, list) else "{") * 40
     return text if len(text) <= 40 else text[:37] + "..."
 
 

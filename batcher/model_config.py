@@ -264,8 +264,24 @@ class ModelConfig(_Strict):
     #: lru: the footprint to assume before the model's first load (MB); default (1 + 2 x instances) x file size + 32.
     memory_mb: float | None = Field(None, gt=0)
     #: which of this name's configured versions are served (Triton's version_policy): {latest: N}, "all", or
-    #: {specific: [...]}. Read from the entry with the highest version of the name.
+    #: {specific: [...]}; Triton's own spellings too ({latest: {num_versions: N}}, {all: {}},
+    #: {specific: {versions: [...]}}). Read from the entry with the highest version of the name.
     version_policy: Literal["all"] | LatestPolicy | SpecificPolicy = "all"
+
+    @field_validator("version_policy", mode="before")
+    @classmethod
+    def _triton_policy(cls, v: Any) -> Any:
+        """Triton's model-config spellings as ours (a new user's config.yaml used Triton's and got eight lines of
+        validation internals)."""
+        if isinstance(v, dict) and len(v) == 1:
+            (key, value), = v.items()
+            if key == "all" and value in ({}, None):
+                return "all"
+            if key == "latest" and isinstance(value, dict) and set(value) == {"num_versions"}:
+                return {"latest": value["num_versions"]}
+            if key == "specific" and isinstance(value, dict) and set(value) == {"versions"}:
+                return {"specific": value["versions"]}
+        return v
 
     @model_validator(mode="before")
     @classmethod

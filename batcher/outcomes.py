@@ -28,10 +28,16 @@ FRONTEND_LOST = "front end lost"
 OVERDUE = "overdue"
 
 
+#: the message a request is cancelled with when its front end answered 503 itself at the end of SIGTERM's grace
+#: (:meth:`batcher.frontend.RemoteDataPlane.shed`; counted ``rejected``, as a request shed in one process).
+SHED = "shed"
+
+
 def cancel_reason(message: str | None) -> str:
     """The failure reason a request cancelled with ``message`` is counted under: ``dropped``
-    (:data:`FRONTEND_LOST`), ``timeout`` (:data:`OVERDUE`), else ``canceled`` (its client went away)."""
-    return "dropped" if message == FRONTEND_LOST else "timeout" if message == OVERDUE else "canceled"
+    (:data:`FRONTEND_LOST`), ``timeout`` (:data:`OVERDUE`), ``rejected`` (:data:`SHED`), else ``canceled`` (its
+    client went away)."""
+    return {FRONTEND_LOST: "dropped", OVERDUE: "timeout", SHED: "rejected"}.get(message, "canceled")
 
 
 class CountedLater:

@@ -33,7 +33,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import DeadlineExceeded, RemoteError, Unavailable
 from .heartbeat import Heartbeat
-from .outcomes import OVERDUE
+from .outcomes import OVERDUE, SHED
 from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, pack_tensors, recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
@@ -311,6 +311,19 @@ class EngineLink:
     def abort(self, rid: int) -> None:
         if self.connected:
             self._channel.send((ABORT, rid))
+
+    def shed(self, error: BaseException) -> int:
+        """Every request sent and not answered gets ``error`` now (SIGTERM's grace is over), and the engine process
+        is sent ABORT with :data:`batcher.outcomes.SHED` for each (counted ``rejected`` there); how many."""
+        shed = 0
+        for rid, sent in self._sent.items():
+            if not sent.future.done():
+                sent.future.set_exception(error)
+                sent.future.exception()  # retrieved, whether its waiter is still there or not
+                if self.connected:
+                    self._channel.send((ABORT, rid, SHED))
+                shed += 1
+        return shed
 
     def expire(self, before: float) -> None:
         """The requests whose deadline is before ``before`` (event-loop seconds; :data:`batcher.frontend.OVERDUE_S`

@@ -429,6 +429,20 @@ class ModelRunner:
         self.times.record(result.rows + result.padded_rows, sum(result.times))
 
     # ------------------------------------------------------------------ lifecycle
+    def shed(self) -> int:
+        """Answer every request still queued 503 now (SIGTERM's grace is over: they would not run before the
+        exit, and the exit would close their connections without an answer); batches executing run on. Returns
+        how many were answered."""
+        shed = 0
+        for p in self._queue:
+            if p.state is State.QUEUED:
+                self._settle_queued(p)
+                if not p.future.done():
+                    p.future.set_exception(Unavailable(f"model '{self.name}': the server is shutting down and its "
+                                                       "drain's grace (server.shutdown_grace_s) is over"))
+                    shed += 1
+        return shed
+
     async def close(self) -> None:
         """Stop batching, answer queued requests 503, let executing batches finish, release the executors."""
         self._closing = True

@@ -46,7 +46,8 @@ def least_queue(targets: Sequence[Target]) -> int:
 
 def _unit(key: str, target_id: str) -> float:
     """A uniform number in (0, 1) from ``key`` and ``target_id``, the same in every process."""
-    digest = hashlib.blake2b(f"{target_id}\0{key}".encode(), digest_size=8).digest()
+    # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) hash as those bytes, not a 500
+    digest = hashlib.blake2b(f"{target_id}\0{key}".encode("utf-8", "surrogateescape"), digest_size=8).digest()
     return (int.from_bytes(digest, "big") + 0.5) / 2.0**64
 
 

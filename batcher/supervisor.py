@@ -59,6 +59,9 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 5.0
 STABLE_S = 10.0
 #: seconds the supervisor waits for processes to exit after the front ends' drain before killing them.
 EXIT_WAIT_S = 30.0
+#: a child that has not beaten this long after its start (nor ``server.stall_timeout_s`` if longer) is stuck
+#: starting (its imports: a hung driver or file system) and is killed as a stalled one is
+FIRST_BEAT_S = 60.0
 #: a gap between two of the supervisor's stall checks (every 0.5-1 s) longer than this, or than half of
 #: ``server.stall_timeout_s``, means the supervisor itself did not run: no child is judged on that check.
 SELF_STALL_S = 1.5
@@ -480,7 +483,8 @@ class Supervisor:
 
     def _kill_stalled(self, now: float) -> None:
         """SIGKILL each child whose event loop has not run for ``server.stall_timeout_s`` since its first beat
-        (:mod:`batcher.heartbeat`; loading its models or ready), as its death is then handled: restarted by
+        (:mod:`batcher.heartbeat`; loading its models or ready), or that has not beaten :data:`FIRST_BEAT_S` after
+        its start, as its death is then handled: restarted by
         :meth:`_supervise`, a first start's failure in :meth:`_start_engines`, its requests answered 503 during a
         drain (SIGTERM; never restarted then). Not after SIGINT, and not right after this process itself did not
         run for half that time or :data:`SELF_STALL_S` (it was stopped, or the machine stalled: every child's
@@ -490,7 +494,11 @@ class Supervisor:
         if timeout is None or self.stopping == "now" or now - last > max(timeout / 2, SELF_STALL_S):
             return
         for c in self.engines + self.frontends:
-            late = c.heartbeat.stalled(now, timeout) if c.alive else None
+            if not c.alive:
+                continue
+            late = c.heartbeat.stalled(now, timeout)
+            if late is None and not c.heartbeat.last and now - c.started_at > max(timeout, FIRST_BEAT_S):
+                late = now - c.started_at  # never beat: stuck starting (Python's start, its imports)
             if late is not None:
                 log.warning("the %s process (pid %d) has not run its event loop for %.1f s (stopped, or stuck; "
                             "server.stall_timeout_s %g): killing it", c.name, c.process.pid, late, timeout)

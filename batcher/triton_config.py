@@ -232,11 +232,11 @@ def _tensors_check(kind: str, doc: Any, served: tuple, unsupported: list[str]) -
     for i, t in enumerate(_items(doc, kind)):
         _unsupported(t, _TENSOR_FIELDS, f"{kind}[{i}].", unsupported)
         name = t.get("name")
-        if name not in by_name:
+        if type(name) is not str or name not in by_name:  # a list or object: unhashable, not a 500
             raise InvalidInput(f"parameters.config.{kind}[{i}].name: the model has no {kind} {name!r} "
                                f"({kind}s: {sorted(by_name)})")
         spec = by_name[name]
-        if "data_type" in t and t["data_type"] != TRITON_TYPES[spec.datatype]:
+        if "data_type" in t and t["data_type"] != TRITON_TYPES[spec.datatype]:  # compared, never looked up
             raise InvalidInput(f"parameters.config.{kind}[{i}].data_type: {t['data_type']!r}; the model's {kind} "
                                f"{name!r} is {TRITON_TYPES[spec.datatype]} (a load cannot change it)")
         out.append((name, _ints(t["dims"], f"{kind}[{i}].dims") if "dims" in t else None))

@@ -203,3 +203,40 @@ async def test_a_body_still_arriving_when_the_grace_ends_is_answered_503(start_s
     assert await asyncio.to_thread(server.proc.wait, 60) == 0
     log = server.log()
     assert " ERROR " not in log and "Traceback" not in log and "never retrieved" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("frontends", [0, 1])
+async def test_requests_still_queued_when_the_grace_ends_are_answered_503(start_server, frontends):
+    """A new user's report: 100 requests queued for a slow model, SIGTERM with a 1 s grace: 36 got no answer at all
+    (the exit closed their connections). Now what is still queued when the grace ends is answered 503 + Retry-After
+    (DataPlane.shed; a front end sheds its requests waiting for the engine process), and the server exits 0."""
+    model = {"name": "mid_cnn", "path": "zoo:mid_cnn", "intra_op_threads": 1, "max_batch_size": 1,
+             "dynamic_batching": {"default_queue_policy": {"max_queue_size": 200}, "admission_control": False}}
+    server = start_server({"server": {"frontends": frontends, "shutdown_grace_s": 1}, "models": [model]})
+    x = np.zeros((1, 3, 224, 224), np.float32)
+    head = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                     "parameters": {"binary_data_size": x.nbytes}}]})
+    n = 150  # about 3 s of work at 1 row per batch: far more than the 1 s grace
+
+    async def post(session) -> tuple[int, bytes]:
+        async with session.post(f"{server.base}/v2/models/mid_cnn/infer", data=head + x.tobytes(),
+                                headers={"Inference-Header-Content-Length": str(len(head))}) as r:
+            return r.status, await r.read()
+
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as s:
+        tasks = [asyncio.create_task(post(s)) for _ in range(n)]
+        await until(lambda: server.metric("batcher_queue_depth", model="mid_cnn", version="1") >= n // 2,
+                    timeout_s=60)
+        server.proc.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, tuple) for r in results), [r for r in results if not isinstance(r, tuple)][:3]
+    statuses = Counter(status for status, _ in results)
+    assert set(statuses) <= {200, 503} and statuses[503] > 0, statuses
+    assert all(b"drain's grace (server.shutdown_grace_s) is over" in body for status, body in results
+               if status == 503)
+    assert await asyncio.to_thread(server.proc.wait, 60) == 0
+    log = server.log()
+    assert "still queued after the grace; answered 503" in log
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import struct
 
@@ -385,3 +386,42 @@ def test_the_header_length_is_ascii_digits_only(length):
     """int() would take " 2", "+2" and Arabic-Indic digits as 2: a header not of ASCII digits is a 400."""
     with pytest.raises(InvalidInput, match="Inference-Header-Content-Length: expected a decimal byte count"):
         decode_request(b"{}", length)
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("datatype", [["FP32"], {}, {"a": 1}, _nested(300)])
+def test_a_datatype_that_is_not_a_string_is_400_not_500(datatype):
+    """A new user's report: ``"datatype": ["FP32"]`` was a 500 (unhashable in the dtype lookup) with an ERROR line."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1, 1], "data": [1]}]}).encode()
+    with pytest.raises(InvalidInput, match=r"input 'x'\.datatype: expected one of BOOL"):
+        decode_request(body)
+
+
+def test_a_value_nested_past_orjsons_own_depth_in_an_error_message_is_400_not_500():
+    """orjson parses 1,024 levels but writes 255: a message quoting a value 300 deep was a 500 (a new user's
+    report); it quotes the start of it instead."""
+    body = json.dumps({"id": _nested(300), "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
+                                                        "data": [1]}]}).encode()  # orjson writes 255 levels
+    with pytest.raises(InvalidInput, match=r"id: expected a string, got \[\[\[\["):
+        decode_request(body)
+
+
+def test_parameters_nested_deeper_than_max_parameter_depth_are_400():
+    """They cross to an engine process pickled: 500 levels failed there and the request was never answered (a new
+    user's report); refused in both modes alike. 32 levels pass."""
+    from batcher.codec import MAX_PARAMETER_DEPTH
+
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1]}
+    ok = {"inputs": [x], "parameters": {"a": _nested(MAX_PARAMETER_DEPTH - 1)}}
+    assert decode_request(json.dumps(ok).encode()).parameters["a"] == _nested(MAX_PARAMETER_DEPTH - 1)
+    for doc, where in (({"inputs": [x], "parameters": {"a": _nested(500)}}, "request"),
+                       ({"inputs": [x], "outputs": [{"name": "y", "parameters": {"b": {"c": _nested(40)}}}]},
+                        r"outputs\[0\]")):
+        with pytest.raises(InvalidInput, match=rf"^{where}\.parameters: objects and arrays nested deeper than 32"):
+            decode_request(json.dumps(doc).encode())

@@ -247,8 +247,9 @@ def test_the_repository_token_may_come_from_a_file_and_never_from_both(tmp_path)
 @pytest.mark.parametrize("token", ["", "  ", "a b", "caf\u00e9"])
 def test_a_repository_token_no_client_can_send_is_refused(token):
     doc = {"server": {"repository_api": True, "repository_token": token}, "models": [{"name": "m", "path": "p"}]}
-    with pytest.raises(ConfigError, match="repository_token must be one or more printable ASCII characters"):
+    with pytest.raises(ConfigError, match="repository_token must be one or more printable ASCII characters") as exc:
         parse_config(doc)
+    assert repr(token) not in str(exc.value)  # a secret: never in a message or a log
 
 
 def test_a_relative_repository_token_file_is_taken_from_the_config_files_folder(tmp_path, monkeypatch):
@@ -345,3 +346,11 @@ def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
     path.write_text("base: &b {max_batch_size: 4}\nmodels:\n  - {<<: *b, name: m, path: zoo:tiny_cnn}\n")
     with pytest.raises(ConfigError, match="base"):  # merged fine; the unknown top-level key is what is refused
         load_config(path)
+
+
+@pytest.mark.parametrize("triton,ours", [({"latest": {"num_versions": 2}}, {"latest": 2}), ({"all": {}}, "all"),
+                                         ({"specific": {"versions": [1]}}, {"specific": [1]})])
+def test_tritons_version_policy_spellings_are_taken_as_ours(triton, ours):
+    models = [{"name": "m", "path": "p", "version": v} for v in (1, 2)]
+    got = parse_config({"models": [models[0], {**models[1], "version_policy": triton}]}).models[1].version_policy
+    assert got == parse_config({"models": [models[0], {**models[1], "version_policy": ours}]}).models[1].version_policy

@@ -79,10 +79,11 @@ class _Process:
         pass
 
 
-def _child(name: str, last_beat: float, ready: bool = True) -> SimpleNamespace:
+def _child(name: str, last_beat: float, ready: bool = True, started_at: float = 95.0) -> SimpleNamespace:
     hb = Heartbeat()
     hb.set(last_beat)
-    return SimpleNamespace(name=name, process=_Process(len(name)), alive=True, is_ready=ready, heartbeat=hb)
+    return SimpleNamespace(name=name, process=_Process(len(name)), alive=True, is_ready=ready, heartbeat=hb,
+                           started_at=started_at)
 
 
 def _supervisor(children: list, timeout: float | None, checked_at: float, stopping: str | None = None):
@@ -118,3 +119,16 @@ def test_no_child_is_killed_when_the_supervisor_stalled_after_sigint_or_when_the
     assert sup._checked_at == 100.0
     Supervisor._kill_stalled(sup, 100.5)  # the next check: killed unless stopping or off
     assert child.process.killed == (case == "the supervisor itself did not run")
+
+
+def test_a_child_that_never_beats_is_killed_first_beat_s_after_its_start():
+    """Stuck before its first beat (a new user stopped an engine process 0.3 s after its spawn: the server never
+    came up, or a restarted one never came back): killed FIRST_BEAT_S (or stall_timeout_s, if longer) after its
+    start; one starting within that is left alone."""
+    from batcher.supervisor import FIRST_BEAT_S
+
+    stuck = _child("engine-cpu", 0.0, ready=False, started_at=100.0 - FIRST_BEAT_S - 1)
+    starting = _child("frontend-0", 0.0, ready=False, started_at=100.0 - FIRST_BEAT_S + 1)
+    sup = _supervisor([stuck, starting], 30, checked_at=99.5)
+    Supervisor._kill_stalled(sup, 100.0)
+    assert [c.process.killed for c in (stuck, starting)] == [True, False]

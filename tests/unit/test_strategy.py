@@ -181,3 +181,11 @@ def test_a_containers_cpu_quota_bounds_the_cores_front_ends_are_counted_from(tmp
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert cpu_quota_cores(v1.parent) is None
     assert cpu_quota_cores(tmp_path / "nowhere") is None and usable_cores(tmp_path / "nowhere") == affinity
+
+
+def test_hash_takes_a_key_that_is_not_utf8():
+    """A header's bytes that are not UTF-8 reach the strategy as surrogates (aiohttp's decoding): a 500 before (a new
+    user's report); now they hash as those bytes, stickily."""
+    targets = [Target("m/1", 1.0, 0), Target("m/2", 1.0, 0)]
+    key = b"\xff\xfe".decode("utf-8", "surrogateescape")
+    assert rendezvous(key, targets) == rendezvous(key, targets) in (0, 1)
