@@ -31,7 +31,8 @@ from .executor import Executor, ThreadExecutor, executor_for
 from .metrics import Metrics
 from .outcomes import CountedLater, Inflight, Started, cancel_reason
 from .protocol import InferRequest, InferResponse
-from .repository import READY, ModelRepository, ModelSlot
+from .repository import ModelRepository
+from .slots import READY, ModelSlot
 from .retention import ThroughputTracker
 from .routing import Router
 from .scheduler import ModelRunner

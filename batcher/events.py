@@ -14,7 +14,7 @@ from engines.memory import rss_bytes
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from .repository import ModelSlot
+    from .slots import ModelSlot
 
 log = logging.getLogger("batcher.repository")
 

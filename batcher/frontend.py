@@ -25,7 +25,7 @@ from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
 from .remote import BodyBuffer, EngineLink, EngineLost
-from .repository import ModelSlots
+from .slots import ModelSlots
 from .strategy import LEAST_QUEUE, Strategy, Target
 from .topology import Engine, engine_slots, engines, model_engines, weight
 
@@ -58,7 +58,8 @@ class RemoteDataPlane:
         self.metrics = metrics
         self.catalog = ModelSlots(config)  # the versions configured and served: 404s without asking an engine
         self.strategy = Strategy(config.routing.strategy)
-        stale_s = max(STALE_MIN_S, (config.server.stall_timeout_s or STALE_DEFAULT_S * 3) / 3)
+        stall_s = config.server.stall_timeout_s
+        stale_s = max(STALE_MIN_S, stall_s / 3) if stall_s else STALE_DEFAULT_S
         self.links = [EngineLink(e, paths[e], engine_slots(config, e), self._restore_regions, self._count_lost,
                                  (beats or {}).get(e), stale_s)
                       for e in engines(config)]

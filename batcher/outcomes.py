@@ -16,7 +16,7 @@ from .protocol import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from .dataplane import DataPlane
-    from .repository import ModelSlot
+    from .slots import ModelSlot
     from .scheduler import ModelRunner
 
 log = logging.getLogger(__name__)

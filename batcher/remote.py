@@ -318,12 +318,17 @@ class EngineLink:
         shed = 0
         for rid, sent in self._sent.items():
             if not sent.future.done():
-                sent.future.set_exception(error)
-                sent.future.exception()  # retrieved, whether its waiter is still there or not
-                if self.connected:
-                    self._channel.send((ABORT, rid, SHED))
+                self._answer_here(rid, sent, error, SHED)
                 shed += 1
         return shed
+
+    def _answer_here(self, rid: int, sent: _Sent, error: BaseException, reason: str) -> None:
+        """Settle request ``rid``'s future with ``error`` here, and send the engine process ABORT with ``reason``
+        (:func:`batcher.outcomes.cancel_reason` says how it counts it)."""
+        sent.future.set_exception(error)
+        sent.future.exception()  # retrieved: no "never retrieved" ERROR line if its waiter is gone
+        if self.connected:
+            self._channel.send((ABORT, rid, reason))
 
     def expire(self, before: float) -> None:
         """The requests whose deadline is before ``before`` (event-loop seconds; :data:`batcher.frontend.OVERDUE_S`
@@ -336,12 +341,10 @@ class EngineLink:
             if sent.deadline is None or sent.deadline >= before or sent.future.done():
                 continue
             key = self.keys[sent.slot]
-            sent.future.set_exception(DeadlineExceeded(f"model '{key[0]}': no answer from the engine process by the "
-                                                       "request's deadline"))
-            sent.future.exception()  # retrieved: no "never retrieved" ERROR line if its waiter is gone
             if self.connected:
                 self._overdue[rid] = key
-                self._channel.send((ABORT, rid, OVERDUE))
+            self._answer_here(rid, sent, DeadlineExceeded(f"model '{key[0]}': no answer from the engine process by "
+                                                          "the request's deadline"), OVERDUE)
 
     def ack(self, rid: int, error: Any = None) -> bool:
         """Tell the engine process how RESULT ``rid`` was delivered (``error`` None: answered with it), so that it

@@ -32,7 +32,7 @@ from .ipc import INLINE_BYTES
 from .keys import CONFIG, DATAPLANE, METRICS
 from .loader import warmup_inputs
 from .protocol import InferRequest, InferResponse
-from .repository import ModelSlot
+from .slots import ModelSlot
 from .shm import require_enabled
 
 #: JSON parts larger than this are decoded/encoded in a worker thread so the event loop keeps serving.

@@ -14,7 +14,8 @@ import logging
 import math
 
 from .errors import ConfigError, DeadlineExceeded, Unavailable
-from .repository import LOAD_RETRY_S, NOT_LOADED_RETRY_S, READY, UNAVAILABLE, UNLOADING, ModelRepository, ModelSlot
+from .repository import ModelRepository
+from .slots import LOAD_RETRY_S, NOT_LOADED_RETRY_S, READY, UNAVAILABLE, UNLOADING, ModelSlot
 from .strategy import Strategy, Target
 from .topology import weight
 

@@ -234,7 +234,7 @@ async def test_a_model_larger_than_the_whole_budget_is_refused_saying_so_without
     ``wait`` the same model said "needs 500 MB" with Retry-After 1. Now both answer what is true, the same way:
     it cannot fit, Retry-After LOAD_RETRY_S (as for other models that are not loaded), no load is tried, the index
     says why, and the repository API's load gets the same answer."""
-    from batcher.repository import LOAD_RETRY_S
+    from batcher.slots import LOAD_RETRY_S
 
     r, loader = repo([{"name": "a", "memory_mb": 500}], load_strategy="lru", memory_budget_mb=100, on_cold=on_cold)
     for _ in range(3):
@@ -254,7 +254,7 @@ async def test_a_model_larger_than_the_whole_budget_is_refused_saying_so_without
 async def test_a_model_measured_over_the_whole_budget_is_not_loaded_again_and_says_why():
     """Estimated at 32 MB before its first load, measured at 150 MB in a 100 MB budget: given back once, then every
     request (on_cold reject) gets the measured figure, not "is loading" and another load."""
-    from batcher.repository import LOAD_RETRY_S
+    from batcher.slots import LOAD_RETRY_S
 
     r, loader = repo([{"name": "a"}], FakeLoader({"a": 150}), load_strategy="lru", memory_budget_mb=100,
                      on_cold="reject")
@@ -339,7 +339,7 @@ async def test_a_failed_lazy_load_is_retried_at_most_every_load_retry_s_and_logg
     """A client cannot make the server load a broken model, and log an ERROR, once per request: within LOAD_RETRY_S
     of a failure requests get 503 at once, naming the failure and when to retry; the same failure again is a
     WARNING; the repository API's load always tries."""
-    from batcher.repository import LOAD_RETRY_S
+    from batcher.slots import LOAD_RETRY_S
 
     r, loader = repo([{"name": "a"}], FakeLoader(fail={"a"}), load_strategy="lazy")
     for _ in range(3):

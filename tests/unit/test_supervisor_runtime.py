@@ -1,6 +1,6 @@
 """Multi-process mode's runtime folders: a supervisor killed with kill -9 leaves its folder behind, and the next
 supervisor removes exactly the folders whose supervisor is gone
-(:func:`batcher.supervisor.remove_stale_runtime_dirs`: the owner file's lock is free)."""
+(:func:`batcher.runtime_dir.remove_stale_runtime_dirs`: the owner file's lock is free)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batcher.supervisor import OWNER_FILE, OWNER_TAG, claim_runtime_dir, remove_stale_runtime_dirs
+from batcher.runtime_dir import OWNER_FILE, OWNER_TAG, claim_runtime_dir, remove_stale_runtime_dirs
 
 
 def _folder(parent, name: str) -> str:
@@ -20,7 +20,7 @@ def _folder(parent, name: str) -> str:
 
 
 def _claimed_by_a_process_that_exited(folder: str) -> None:
-    code = f"from batcher.supervisor import claim_runtime_dir; claim_runtime_dir({folder!r})"
+    code = f"from batcher.runtime_dir import claim_runtime_dir; claim_runtime_dir({folder!r})"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
