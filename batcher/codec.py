@@ -90,7 +90,7 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
         return {}
     if not isinstance(p, dict):
         raise InvalidInput(f"{where}.parameters: expected an object, got {json_type(p)}")
-    stack = [(v, 2) for v in p.values() if isinstance(v, (dict, list))]
+    stack = [(v, 2) for v in p.values() if isinstance(v, (dict, list))] if p else []  # per request: {} costs nothing
     while stack:  # the common case, scalars only, never enters
         value, depth = stack.pop()
         if depth > MAX_PARAMETER_DEPTH:
