@@ -182,6 +182,7 @@ def decode_request(
         InvalidInput: malformed JSON or header, unknown datatype, bad shape, more than ``max_elements`` elements,
             data/shape mismatch, wrong binary size.
     """
+    key = None
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -192,6 +193,11 @@ def decode_request(
             raise InvalidInput(f"{HEADER_LENGTH}: {n} is outside the body's {len(body)} bytes")
         view = memoryview(body)
         json_part, binary = view[:n], view[n:]
+        if n <= HEADER_PLAN_MAX_BYTES:
+            key = bytes(json_part)
+            plan = _plans.get(key)
+            if plan is not None and plan.binary_bytes == len(view) - n and plan.max_count <= max_elements:
+                return plan.request(binary)
     doc = json_object(json_part, "request body")
     req_params = _params(doc, "request")
     raw_inputs = doc.get("inputs")
@@ -288,7 +294,7 @@ def decode_request(
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput(f"id: expected a string, got {_literal(rid)}")
-    return InferRequest(
+    request = InferRequest(
         inputs=inputs,
         id=rid,
         outputs=outputs,
@@ -297,6 +303,76 @@ def decode_request(
         priority=_int_param(req_params, "priority", "request.parameters") or None,
         parameters=req_params,
     )
+    if key is not None and rid is None:
+        _HeaderPlan.remember(key, request, raw_inputs, offset)  # offset: the binary part's length, all used
+    return request
+
+
+#: the longest JSON part (bytes) whose decoding is kept for reuse (:class:`_HeaderPlan`); a plain binary request's
+#: is 100-300 bytes (one input: 135).
+HEADER_PLAN_MAX_BYTES = 1024
+#: how many JSON parts are kept (at most 256 KiB of keys); when full the whole table is dropped and refilled.
+HEADER_PLANS = 256
+
+
+class _HeaderPlan:
+    """A binary request's JSON part, decoded once and kept: a client or load generator sends the same JSON part
+    with every request (the same names, datatypes, shapes and sizes; only the bytes after it differ), so its next
+    requests skip parsing and checking it again and only cut their tensors out of the binary part.
+
+    What :func:`decode_request` returns from a plan equals what it would decode: the key is the JSON part's exact
+    bytes, a plan is made only from a request that decoded without error, and it is used only when the binary part
+    has the length that request had (so every input's slice is where and as long as it was) and the caller's
+    ``max_elements`` admits its largest input. Kept only where nothing depends on the binary bytes' values or on
+    the request alone: every input a numeric ``binary_data_size`` tensor (not BYTES, whose elements are parsed from
+    the bytes, nor BOOL, whose bytes are checked to be 0 or 1, nor a shared-memory input), no output in shared memory,
+    and no ``id`` (an id per request would make every JSON part new). Measured on the 2-core machine: 5.8 us to
+    decode the trivial model's one-input request in full, against the ~1.5 us of a plan.
+
+    The table is a plain dict read and written under the GIL (decoding also runs in executor threads): a lookup, an
+    insertion and the clearing of a full table are each one atomic operation.
+    """
+
+    __slots__ = ("inputs", "binary_bytes", "max_count", "outputs", "binary_output", "timeout_us", "priority",
+                 "parameters")
+
+    def __init__(self, request: InferRequest, slices: list[tuple], binary_bytes: int) -> None:
+        self.inputs = slices  # (name, dtype, shape, start, stop) in the request's order
+        self.binary_bytes = binary_bytes
+        self.max_count = max((math.prod(shape) for _, _, shape, _, _ in slices), default=0)
+        self.outputs = None if request.outputs is None else tuple(request.outputs)
+        self.binary_output, self.timeout_us, self.priority = request.binary_output, request.timeout_us, request.priority
+        self.parameters = request.parameters
+
+    @staticmethod
+    def remember(key: bytes, request: InferRequest, raw_inputs: list[dict], binary_bytes: int) -> None:
+        """Keep ``request``'s plan under ``key`` (its JSON part) if it qualifies (class docstring)."""
+        if request.outputs is not None and any(o.shm is not None for o in request.outputs):
+            return
+        slices, start = [], 0
+        for t in raw_inputs:
+            arr = request.inputs[t["name"]]
+            if not isinstance(arr, np.ndarray) or t["datatype"] in ("BYTES", "BOOL") or "data" in t:
+                return
+            stop = start + arr.nbytes
+            slices.append((t["name"], arr.dtype, arr.shape, start, stop))
+            start = stop
+        if len(_plans) >= HEADER_PLANS:
+            _plans.clear()
+        _plans[key] = _HeaderPlan(request, slices, binary_bytes)
+
+    def request(self, binary: memoryview) -> InferRequest:
+        """The request this plan decodes ``binary`` (the body's binary part, of :attr:`binary_bytes`) to: its own
+        arrays (views of ``binary``), a copy of the parameters and the outputs list (the caller may change them)."""
+        return InferRequest(
+            inputs={name: np.frombuffer(binary[a:b], dtype).reshape(shape) for name, dtype, shape, a, b in self.inputs},
+            outputs=None if self.outputs is None else list(self.outputs),
+            binary_output=self.binary_output, timeout_us=self.timeout_us, priority=self.priority,
+            parameters=dict(self.parameters),
+        )
+
+
+_plans: dict[bytes, _HeaderPlan] = {}
 
 
 _SHM_KEYS = frozenset(("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"))
@@ -337,6 +413,10 @@ def _shm_input(ref: ShmRef, datatype: str, shape: list[int], count: int, where: 
     return ShmInput(datatype, tuple(shape), ref)
 
 
+#: the KServe v2 datatype of each numeric numpy dtype (``from_numpy``'s answers, looked up once per output)
+_DATATYPES = {np.dtype(d): from_numpy(np.dtype(d)) for d in NUMPY_DTYPES.values() if np.dtype(d).kind not in "OSU"}
+
+
 def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
     """Encode an inference response.
 
@@ -350,18 +430,17 @@ def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
     """
     request, outputs = response.request, response.outputs
     wanted = request.outputs
-    if wanted is None:
-        wanted = [RequestedOutput(name) for name in outputs]
+    specs = [(name, None, None) for name in outputs] if wanted is None else [(w.name, w.binary, w.shm) for w in wanted]
     entries = []
     blobs = []
-    for w in wanted:
-        arr = outputs[w.name]
-        datatype = from_numpy(arr.dtype)
-        entry: dict[str, Any] = {"name": w.name, "datatype": datatype, "shape": list(arr.shape)}
-        if w.shm is not None:  # the data plane wrote it into the region: name, datatype, shape and where only
-            entry["parameters"] = {"shared_memory_region": w.shm.region, "shared_memory_offset": w.shm.offset,
-                                   "shared_memory_byte_size": w.shm.byte_size}
-        elif w.binary if w.binary is not None else request.binary_output:
+    for name, binary, shm in specs:
+        arr = outputs[name]
+        datatype = _DATATYPES.get(arr.dtype) or from_numpy(arr.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if shm is not None:  # the data plane wrote it into the region: name, datatype, shape and where only
+            entry["parameters"] = {"shared_memory_region": shm.region, "shared_memory_offset": shm.offset,
+                                   "shared_memory_byte_size": shm.byte_size}
+        elif binary if binary is not None else request.binary_output:
             blob = encode_bytes_elements(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

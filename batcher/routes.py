@@ -75,9 +75,10 @@ def _into(body_buffer: Callable[..., Any], model: str, version: str | None, json
 @_model_route("POST", "/infer")
 async def infer(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
-    dataplane = request.app[DATAPLANE]
-    server = request.app[CONFIG].server
-    hash_header, hash_parameter = request.app[CONFIG].routing.hash_header, request.app[CONFIG].routing.hash_parameter
+    app = request.app  # a property that looks the application up each time
+    dataplane, config = app[DATAPLANE], app[CONFIG]
+    server = config.server
+    hash_header, hash_parameter = config.routing.hash_header, config.routing.hash_parameter
 
     async def read() -> InferRequest:
         header_length = request.headers.get(HEADER_LENGTH)
@@ -195,8 +196,8 @@ async def expect_handler(request: web.Request) -> web.Response | None:
     ``server.max_body_bytes`` gets no ``100 Continue``: the route's handler runs at once and its body read refuses it
     unread (:func:`batcher.bodies.read_body`: 413, counted as any too-large request is, the connection closed after
     it), so the client never sends the body (RFC 9110, 10.1.1: the server may answer with the final status
-    instead); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the error
-    middleware could see it)."""
+    instead); any other expectation 417 with a JSON body (aiohttp's own 417 is plain text, sent before the route's
+    handler, so before the application's edge could map it: :func:`batcher.app.edge`)."""
     declared, limit = request.content_length, request.app[CONFIG].server.max_body_bytes
     if declared is not None and declared > limit:
         return None

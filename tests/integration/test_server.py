@@ -192,7 +192,10 @@ async def test_unknown_version_and_route_are_404_json(default_server):
             assert "has no version '7'" in (await r.json())["error"]
         async with s.get(f"{default_server.base}/v2/nothing") as r:
             assert r.status == 404
-            assert "error" in await r.json()
+            assert await r.json() == {"error": "404: Not Found"}
+        async with s.post(f"{default_server.base}/v2/health/live") as r:  # a wrong method: 405, JSON too
+            assert (r.status, r.headers["Allow"]) == (405, "GET,HEAD")
+            assert await r.json() == {"error": "405: Method Not Allowed"}
 
 
 async def test_good_request_in_same_window_as_bad_ones_succeeds(default_server):

@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
+from batcher import codec
 from batcher.codec import (
     LITERAL_RULES,
     InferRequest,
@@ -425,3 +426,101 @@ def test_parameters_nested_deeper_than_max_parameter_depth_are_400():
                         r"outputs\[0\]")):
         with pytest.raises(InvalidInput, match=rf"^{where}\.parameters: objects and arrays nested deeper than 32"):
             decode_request(json.dumps(doc).encode())
+
+
+# ---------------------------------------------------------------------------- a JSON part decoded once (_HeaderPlan)
+
+
+def _two_inputs(a: np.ndarray, b: np.ndarray, **extra) -> tuple[bytes, str]:
+    return _binary([({"name": "a", "datatype": "FP32", "shape": list(a.shape),
+                      "parameters": {"binary_data_size": a.nbytes}}, a.tobytes()),
+                    ({"name": "b", "datatype": "INT64", "shape": list(b.shape),
+                      "parameters": {"binary_data_size": b.nbytes}}, b.tobytes())], **extra)
+
+
+@pytest.fixture
+def no_plans():
+    codec._plans.clear()
+    yield codec._plans
+    codec._plans.clear()
+
+
+def test_a_repeated_json_part_is_not_parsed_again_and_decodes_each_body_to_its_own_values(no_plans, monkeypatch):
+    extra = {"outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+             "parameters": {"binary_data_output": False, "timeout": 7000, "priority": 2, "k": "v"}}
+    first = _two_inputs(np.arange(6, dtype=np.float32).reshape(2, 3), np.array([[5], [6]], np.int64), **extra)
+    full = decode_request(*first)
+    assert len(no_plans) == 1
+    # the next request with the same JSON part never reaches the parser
+    monkeypatch.setattr(codec, "json_object", lambda *a: pytest.fail("the JSON part was parsed again"))
+    a2, b2 = np.full((2, 3), 9.5, np.float32), np.array([[-1], [2**40]], np.int64)
+    second = _two_inputs(a2, b2, **extra)
+    assert second[0][:int(second[1])] == first[0][:int(first[1])]
+    again = decode_request(*second)
+    np.testing.assert_array_equal(again.inputs["a"], a2)
+    np.testing.assert_array_equal(again.inputs["b"], b2)
+    assert again.inputs["a"].dtype == np.float32 and again.inputs["b"].dtype == np.int64
+    assert again.inputs["b"].shape == (2, 1)
+    np.testing.assert_array_equal(full.inputs["a"], np.arange(6, dtype=np.float32).reshape(2, 3))  # not aliased
+    for f in ("id", "outputs", "binary_output", "timeout_us", "priority", "parameters"):
+        assert getattr(again, f) == getattr(full, f), f
+    assert again.timeout_us == 7000 and again.priority == 2 and again.outputs == [RequestedOutput("y", True)]
+    again.parameters["k"] = "changed"  # each request owns its parameters and outputs list
+    again.outputs.append(RequestedOutput("z"))
+    third = decode_request(*second)
+    assert third.parameters["k"] == "v" and third.outputs == [RequestedOutput("y", True)]
+
+
+def test_a_kept_json_part_with_binary_data_of_another_length_gets_the_same_400(no_plans):
+    body, n = _two_inputs(np.zeros((2, 3), np.float32), np.zeros((2, 1), np.int64))
+    decode_request(body, n)
+    assert len(no_plans) == 1
+    with pytest.raises(InvalidInput, match=r"binary data: 44 bytes sent, inputs declare 40"):
+        decode_request(body + b"\0\0\0\0", n)
+    with pytest.raises(InvalidInput, match=r"input 'b'.binary_data_size: 16 bytes at offset 24 run past the 36"):
+        decode_request(body[:-4], n)
+
+
+def test_a_kept_json_part_still_meets_a_lower_element_limit(no_plans):
+    body, n = _two_inputs(np.zeros((2, 3), np.float32), np.zeros((2, 1), np.int64))
+    decode_request(body, n)
+    with pytest.raises(InvalidInput, match=r"\[2, 3\] holds 6 elements, over the limit of 5"):
+        decode_request(body, n, 5)
+
+
+@pytest.mark.parametrize("case", ["id", "bytes", "bool", "json data", "shm output"])
+def test_json_parts_whose_decoding_depends_on_more_than_their_bytes_are_not_kept(no_plans, case):
+    a = np.zeros((1, 2), np.float32)
+    inputs = [({"name": "a", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}},
+               a.tobytes())]
+    extra: dict = {}
+    if case == "id":
+        extra["id"] = "r1"
+    elif case == "bytes":
+        inputs.append(({"name": "s", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 6}},
+                       struct.pack("<I", 2) + b"hi"))
+    elif case == "bool":
+        inputs.append(({"name": "t", "datatype": "BOOL", "shape": [1], "parameters": {"binary_data_size": 1}},
+                       b"\x01"))
+    elif case == "json data":
+        inputs.append(({"name": "j", "datatype": "FP32", "shape": [1], "data": [1.5]}, b""))
+    else:
+        extra["outputs"] = [{"name": "y", "parameters": {"shared_memory_region": "r",
+                                                         "shared_memory_byte_size": 8}}]
+    decode_request(*_binary(inputs, **extra))
+    assert not no_plans
+    if case == "bool":  # a BOOL byte that is not 0 or 1 is still found in the next request with the same JSON
+        with pytest.raises(InvalidInput, match="BOOL bytes must be 0 or 1"):
+            decode_request(*_binary(inputs[:1] + [(inputs[1][0], b"\x07")]))
+
+
+def test_the_kept_json_parts_are_bounded(no_plans, monkeypatch):
+    monkeypatch.setattr(codec, "HEADER_PLANS", 3)
+    for i in range(1, 8):
+        decode_request(*_binary([({"name": "a", "datatype": "FP32", "shape": [1, i],
+                                   "parameters": {"binary_data_size": 4 * i}}, bytes(4 * i))]))
+        assert 1 <= len(no_plans) <= 3
+    big = {"name": "a", "datatype": "FP32", "shape": [1, 1], "parameters": {"binary_data_size": 4, "pad": "x" * 1100}}
+    no_plans.clear()
+    decode_request(*_binary([(big, bytes(4))]))
+    assert not no_plans  # a JSON part over HEADER_PLAN_MAX_BYTES is decoded every time

@@ -79,7 +79,8 @@ def test_bodies_take_at_most_half_of_the_inputs_half_of_the_area():
 
 async def test_a_client_gone_mid_body_leaves_no_block_behind():
     """The body read into the area (batcher.bodies._read_into with ``into``) stops when its client goes away; the
-    handler's end (batcher.bodies.release, from the error middleware's ``finally``) frees its block."""
+    handler's end (batcher.bodies.release, from the ``finally`` of the application's edge, batcher.app.edge) frees
+    its block."""
     import asyncio
     from unittest import mock
 
