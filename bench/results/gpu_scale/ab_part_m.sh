@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # part m on an older tree (unpacked in .ab/BASE) and on this tree, interleaved, to tell a change of the code from a
-# change of the host. Usage: bash bench/results/gpu_scale/day17/ab.sh BASE SECONDS (the seventeenth session: base17,
-# a `git archive` of 47e9109, the sixteenth session's last commit)
+# change of the host. Usage: bash bench/results/gpu_scale/ab_part_m.sh BASE SECONDS, from the project root on the GPU
+# machine, after the lease's chunks (README "Many front ends, shared memory, two GPUs"); e.g. BASE base17, a
+# `git archive` of 47e9109 (the sixteenth session's last commit), carried as .ab/base17
 source .gpu/bin/install.sh > /tmp/inst.log 2>&1 || { cat /tmp/inst.log; exit 1; }
 B=${1:-base17}; BUDGET=${2:-480}
 R=/tmp/res_ab; rm -rf $R; mkdir -p $R; T0=$(date +%s); HERE=$(pwd)
