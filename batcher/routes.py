@@ -82,15 +82,19 @@ async def infer(request: web.Request) -> web.Response:
 
     async def read() -> InferRequest:
         header_length = request.headers.get(HEADER_LENGTH)
+        # the JSON part's length where the header is plain ASCII digits; anything else (str.isdigit alone takes "²",
+        # which int() refuses: a 500 a client could cause) is the codec's 400
+        json_length = (int(header_length) if header_length is not None and header_length.isascii()
+                       and header_length.isdigit() else None)
         into = None
         body_buffer = dataplane.body_buffer  # a front end's: binary tensors into shared memory
-        if body_buffer is not None and header_length is not None and header_length.isdigit():
-            declared, json_part = request.content_length, int(header_length)
+        if body_buffer is not None and json_length is not None:
+            declared, json_part = request.content_length, json_length
             if declared is not None and declared - json_part >= INLINE_BYTES:
                 model, version = _model(request)
                 into = partial(_into, body_buffer, model, version, json_part)
         body = await read_body(request, server.max_body_bytes, server.read_timeout_s, into)
-        json_bytes = len(body) if header_length is None or not header_length.isdigit() else int(header_length)
+        json_bytes = len(body) if json_length is None else json_length
         if json_bytes > UNCOUNTED_BYTES:  # what parsing it makes counts against the body budget, before it is made
             reserve_decoded(request, json_cost(bytes(body[:json_bytes])))
         # binary tensors decode without copying (np.frombuffer); a large JSON part, or many BYTES elements (a Python

@@ -113,7 +113,7 @@ def _empty(value: Any) -> bool:
 
 def _int(value: Any, where: str) -> int:
     """An integer field; Triton's JSON prints 64-bit integers as strings ("1000"), so digit strings count."""
-    if isinstance(value, str) and value.lstrip("-").isdigit():
+    if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit():  # "²" is a digit to isdigit
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(f"parameters.config.{where}: expected an integer, got {value!r}")

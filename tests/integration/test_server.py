@@ -166,6 +166,9 @@ BAD_REQUESTS = [
     ("binary size past the end", "ppocr_cls",
      _binary({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 48, 192],
                           "parameters": {"binary_data_size": 110592}}]}, b"\0" * 8), 400, "run past the 8 bytes"),
+    ("header length of digits that are not ASCII", "ppocr_cls",  # str.isdigit takes them, int() not: was a 500
+     {"data": b"{}", "headers": {"Inference-Header-Content-Length": "1\u00b2"}}, 400,
+     "Inference-Header-Content-Length: expected a decimal byte count, got '1\u00b2'"),
     ("header length past the body", "ppocr_cls",
      {"data": b"{}", "headers": {"Inference-Header-Content-Length": "99"}}, 400, "outside the body's 2 bytes"),
     ("unknown output", "ppocr_cls", {"json": {**_body(), "outputs": [{"name": "nope"}]}}, 400, "unknown output 'nope'"),

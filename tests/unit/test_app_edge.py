@@ -63,6 +63,9 @@ async def test_an_unknown_path_is_404_json_whatever_the_method(app_client):
     data = await _raw(client, b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 404 ") and b"application/json" in data
     assert data.endswith(orjson.dumps(NOT_FOUND))
+    # CONNECT's target has no path: aiohttp's router answers it before any route, in plain text (README's table)
+    data = await _raw(client, b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 404 ") and data.endswith(b"404: Not Found")
 
 
 async def test_a_wrong_method_on_a_known_path_is_405_json_with_allow_and_head_answers_a_get_route(app_client):

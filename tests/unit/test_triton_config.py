@@ -143,6 +143,7 @@ def test_unsupported_fields_are_refused_all_named_at_once():
     ({"version_policy": {"latest": {"num_versions": 2}}}, "a load cannot change them"),
     ({"max_batch_size": "lots"}, "parameters.config.max_batch_size: expected an integer, got 'lots'"),
     ({"max_batch_size": True}, "parameters.config.max_batch_size: expected an integer, got True"),
+    ({"max_batch_size": "1\u00b2"}, "parameters.config.max_batch_size: expected an integer, got '1\u00b2'"),
     ({"max_batch_size": -2}, "parameters.config: max_batch_size: Input should be greater than or equal to 0 "
                              "(got -2)"),
     ({"instance_group": {"count": 2}}, "parameters.config.instance_group: expected a list"),
