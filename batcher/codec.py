@@ -304,7 +304,7 @@ def decode_request(
         parameters=req_params,
     )
     if key is not None and rid is None:
-        _HeaderPlan.remember(key, request, raw_inputs, offset)  # offset: the binary part's length, all used
+        _HeaderPlan.remember(key, request, raw_inputs)
     return request
 
 
@@ -346,8 +346,9 @@ class _HeaderPlan:
         self.parameters = request.parameters
 
     @staticmethod
-    def remember(key: bytes, request: InferRequest, raw_inputs: list[dict], binary_bytes: int) -> None:
-        """Keep ``request``'s plan under ``key`` (its JSON part) if it qualifies (class docstring)."""
+    def remember(key: bytes, request: InferRequest, raw_inputs: list[dict]) -> None:
+        """Keep ``request``'s plan under ``key`` (its JSON part) if it qualifies (class docstring); its inputs fill
+        the binary part in order, to its end (the decoding checked it)."""
         if request.outputs is not None and any(o.shm is not None for o in request.outputs):
             return
         slices, start = [], 0
@@ -360,7 +361,7 @@ class _HeaderPlan:
             start = stop
         if len(_plans) >= HEADER_PLANS:
             _plans.clear()
-        _plans[key] = _HeaderPlan(request, slices, binary_bytes)
+        _plans[key] = _HeaderPlan(request, slices, start)
 
     def request(self, binary: memoryview) -> InferRequest:
         """The request this plan decodes ``binary`` (the body's binary part, of :attr:`binary_bytes`) to: its own
