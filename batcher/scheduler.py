@@ -334,7 +334,22 @@ class ModelRunner:
                           presorted=self._tail is not None)
 
     def _take(self, batch: list[Pending]) -> list[Pending]:
-        """Take ``batch`` (planned by :meth:`_plan`) off the queue."""
+        """Take ``batch`` (planned by :meth:`_plan`) off the queue.
+
+        When the batch is the queue's first QUEUED requests in order (one priority level, deadlines in arrival
+        order: the common case), that front is cut off, whatever the queue's length; otherwise the queue is built
+        anew without them. At saturation the queue holds hundreds of requests, and rebuilding it for every batch
+        took about 2 % of the event loop (py-spy, ``bench.peers``' MLP at 8,000 req/s on 2 cores)."""
+        queue, i, n = self._queue, 0, len(self._queue)
+        for p in batch:
+            while i < n and queue[i].state is not State.QUEUED:
+                i += 1
+            if i == n or queue[i] is not p:
+                break
+            i += 1
+        else:
+            del queue[:i]
+            return batch
         taken = set(map(id, batch))
         self._queue = [p for p in self._queue if id(p) not in taken and p.state is State.QUEUED]
         return batch

@@ -232,6 +232,27 @@ async def test_requests_received_out_of_order_go_first_in_first_out_and_the_queu
     await r.close()
 
 
+async def test_a_batch_off_the_queue_front_or_out_of_its_middle_leaves_the_rest_in_order():
+    """A batch that is the queue's first queued requests is cut off its front (a withdrawn entry among them goes
+    too); one that is not (another shape leads: the request after the leader waits) is taken out of the middle.
+    Either way the requests left keep their order, and each output is its own request's."""
+    r, ctxs, _, _ = runner(seconds_per_row=0.010, max_batch_size=2)
+    busy = submit(r, 2, value=-1.0)
+    await asyncio.sleep(0)
+    dtypes = [np.float32, np.float32, np.float32, np.float64, np.float32, np.float64, np.float32]
+    tasks = [asyncio.ensure_future(r.infer({"x": np.full((1, 4), i + 1, dt)}, rows=1, received=now()))
+             for i, dt in enumerate(dtypes)]
+    await asyncio.sleep(0)
+    tasks[1].cancel()  # request 2 leaves the queue
+    outs = await asyncio.gather(busy, *tasks, return_exceptions=True)
+    assert isinstance(outs[2], asyncio.CancelledError)
+    assert [x[:, 0].tolist() for x in ctxs[0].inputs[1:]] == [[1.0, 3.0], [4.0, 6.0], [5.0, 7.0]]
+    assert {i + 1: float(o["y"][0, 0]) for i, o in enumerate(outs[1:]) if i != 1} == {
+        1: 2.0, 3: 6.0, 4: 8.0, 5: 10.0, 6: 12.0, 7: 14.0}
+    assert r.queue_depth == 0
+    await r.close()
+
+
 async def test_requests_queue_while_the_context_is_busy_and_fill_the_next_batch():
     """One context busy for 50 ms with a request of 5 rows; 10 single rows arrive meanwhile: the next batch takes
     8 (max), the one after the last 2; shapes never mix; requests are never split."""
