@@ -261,12 +261,21 @@ async def test_fallback_model_when_unavailable_or_queue_is_deep(start_server):
 
 async def test_requests_waiting_for_a_cold_load_pin_the_model(start_server):
     """lru, 100 MB: tiny_cnn (~33 MB before its first load) and mid_cnn (~87 MB) cannot both be loaded. Requests
-    for both at once on a cold server: tiny_cnn's waiters pin it, so it is never evicted before serving them; a
-    request that finds no room gets 503 naming the budget."""
-    server = start_server({"server": {"load_strategy": "lru", "memory_budget_mb": 100},
+    for tiny_cnn on a cold server, then, once its load has started, for mid_cnn: tiny_cnn's waiters pin it, so it
+    is never evicted before serving them; a request that finds no room gets 503 naming the budget. (The mid_cnn
+    requests wait for the index to show tiny_cnn's load: sent all at once, on a busy machine a mid_cnn request
+    reached the server first now and then, and its load took the budget.)"""
+    server = start_server({"server": {"load_strategy": "lru", "memory_budget_mb": 100, "repository_api": True},
                            "models": _models("tiny_cnn", "mid_cnn")})
+
+    def tiny_cnn_loading() -> bool:
+        index = orjson.loads(_post(server, "/v2/repository/index")[1])
+        return any(e["name"] == "tiny_cnn" and e["state"] in ("LOADING", "READY") for e in index)
+
     async with aiohttp.ClientSession() as s:
-        results = await asyncio.gather(*(_infer(s, server, m) for m in ["tiny_cnn"] * 10 + ["mid_cnn"] * 10))
+        tiny = [asyncio.ensure_future(_infer(s, server, "tiny_cnn")) for _ in range(10)]
+        await until(tiny_cnn_loading)
+        results = await asyncio.gather(*tiny, *(_infer(s, server, "mid_cnn") for _ in range(10)))
     assert [st for st, _, _ in results[:10]] == [200] * 10
     for status, head, _ in results[10:]:
         assert status == 200 or (status == 503 and "memory budget 100 MB" in head["error"]), head
