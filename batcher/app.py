@@ -100,8 +100,11 @@ def edge(handler: Handler, shutdown: Shutdown) -> Handler:
             resp = error_response(500, f"internal error: {exc!r}")
         finally:
             release_body(request)
-        if shutdown.draining or resp.status in (408, 413):
-            resp.force_close()  # 408, 413: the body was not read to its end: the connection carries no other request
+        if shutdown.draining or resp.status in (408, 413) or (
+                resp.status in (404, 405) and hdrs.EXPECT in request.headers and not request.content.is_eof()):
+            # 408, 413, and a 404/405 answered to an Expect instead of 100 Continue (:func:`no_continue`): the body
+            # was not read to its end, so the connection carries no other request
+            resp.force_close()
         return resp
 
     return functools.update_wrapper(at_the_edge, handler)
@@ -119,6 +122,13 @@ class Unrouted(web.DynamicResource):
 
     def _match(self, path: str) -> dict[str, str]:
         return {"tail": path}
+
+
+async def no_continue(request: web.Request) -> None:
+    """The fallback route's ``Expect`` handler: no ``100 Continue`` for a request no route took, whose body
+    :func:`unrouted` never reads. Its 404 or 405 is the answer instead (RFC 9110, 10.1.1: a server may send the final
+    status code in place of 100), and :func:`edge` closes the connection after it, as the body may still come."""
+    return None
 
 
 async def unrouted(request: web.Request) -> web.StreamResponse:
@@ -219,5 +229,5 @@ def create_app(config: Config, remote: Callable[[Metrics], Any] | None = None) -
         route.kwargs.setdefault("expect_handler", expect_handler)
         web.RouteDef(route.method, route.path, edge(route.handler, shutdown), route.kwargs).register(app.router)
     app.router.register_resource(fallback := Unrouted())
-    fallback.add_route(hdrs.METH_ANY, edge(unrouted, shutdown), expect_handler=expect_handler)
+    fallback.add_route(hdrs.METH_ANY, edge(unrouted, shutdown), expect_handler=no_continue)
     return app

@@ -250,13 +250,19 @@ def test_deflate_has_no_members_data_after_its_stream_is_a_400(server):
 
 
 async def test_expect_100_continue_over_the_body_limit_gets_413_at_once_and_within_it_100_continue(server):
-    async def first_answer(length: int) -> tuple[bytes, bytes]:
+    """An unknown path (or a wrong method: no route takes the request) gets its 404 or 405 at once, not 100
+    Continue, and the connection closes after it, as the body may still come."""
+    async def first_answer(length: int, path: str = INFER, method: str = "POST") -> tuple[bytes, bytes]:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(f"POST {INFER} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n"
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n"
                      "Expect: 100-continue\r\n\r\n".encode())
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), 30)
-        rest = await asyncio.wait_for(reader.read(), 30) if not line.startswith(b"HTTP/1.1 100") else b""
+        rest = b""
+        if not line.startswith(b"HTTP/1.1 100"):  # the head, then its body by Content-Length (the server keeps
+            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)  # reading what still comes for 10 s)
+            length = next(int(h.split(b":")[1]) for h in rest.lower().split(b"\r\n") if h.startswith(b"content-length:"))
+            rest += await asyncio.wait_for(reader.readexactly(length), 30)
         writer.close()
         return line, rest
 
@@ -270,6 +276,11 @@ async def test_expect_100_continue_over_the_body_limit_gets_413_at_once_and_with
     assert too_large() - before == 1  # counted as a 413 without Expect is
     line, _ = await first_answer(LIMIT)
     assert line.startswith(b"HTTP/1.1 100")
+    line, rest = await first_answer(10, "/v2/nowhere")
+    assert line.startswith(b"HTTP/1.1 404") and b"connection: close" in rest.lower()
+    assert rest.endswith(b'{"error":"404: Not Found"}')
+    line, rest = await first_answer(10, "/v2/health/live", "PUT")
+    assert line.startswith(b"HTTP/1.1 405") and b"connection: close" in rest.lower() and b"allow: " in rest.lower()
 
 
 @pytest.mark.parametrize("frontends", [0, 1], ids=["single", "multi"])
