@@ -17,8 +17,10 @@ if TYPE_CHECKING:
     from .config import ModelConfig
 
 
-def check_allowed_batch_sizes(sizes: Sequence[int], max_batch_size: int) -> None:
-    """An explicit list: ascending unique sizes in 1..max_batch_size, ``max_batch_size`` among them.
+def check_allowed_batch_sizes(sizes: Sequence[int], max_batch_size: int | None) -> None:
+    """An explicit list: ascending unique sizes in 1..max_batch_size, ``max_batch_size`` among them (None: not
+    known before the model is open; the list's own rules only, so that ``check-config`` without ``--load`` catches
+    them too).
 
     Raises:
         ValueError: naming the problem and the values.
@@ -30,6 +32,8 @@ def check_allowed_batch_sizes(sizes: Sequence[int], max_batch_size: int) -> None
         raise ValueError(f"allowed_batch_sizes must be >= 1, got {sizes}")
     if any(a >= b for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"allowed_batch_sizes must be sorted ascending without repeats, got {sizes}")
+    if max_batch_size is None:
+        return
     if sizes[-1] > max_batch_size:
         raise ValueError(f"allowed_batch_sizes {sizes} exceed max_batch_size {max_batch_size}")
     if sizes[-1] != max_batch_size:
@@ -44,7 +48,8 @@ def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 def allowed_batch_sizes(cfg: ModelConfig, max_batch_size: int) -> tuple[int, ...] | None:
     """The sizes batches of ``cfg`` are padded to, given its effective ``max_batch_size``: the explicit list, else
-    on KIND_GPU :func:`default_batch_sizes`, else None (CPU: no padding unless configured).
+    on KIND_GPU :func:`default_batch_sizes`, else None (CPU: no padding unless configured; a model without a batch
+    dimension, ``max_batch_size`` 0, on any device: each request runs alone at its own shape).
 
     Raises:
         ValueError: an explicit list that :func:`check_allowed_batch_sizes` rejects.
@@ -52,7 +57,7 @@ def allowed_batch_sizes(cfg: ModelConfig, max_batch_size: int) -> tuple[int, ...
     if cfg.allowed_batch_sizes is not None:
         check_allowed_batch_sizes(cfg.allowed_batch_sizes, max_batch_size)
         return tuple(cfg.allowed_batch_sizes)
-    return default_batch_sizes(max_batch_size) if cfg.device == "cuda" else None
+    return default_batch_sizes(max_batch_size) if cfg.device == "cuda" and max_batch_size > 0 else None
 
 
 def padded_size(rows: int, sizes: Sequence[int] | None) -> int:

@@ -182,7 +182,7 @@ def _bind(family: int, kind: int, proto: int, address: tuple, reuse_port: bool) 
 
 
 def _serve(config, args) -> int:
-    from .supervisor import setup_logging
+    from .supervisor import raise_fd_limit, setup_logging
     from .topology import frontends, single_process_problem
 
     server = config.server.model_copy(update={
@@ -191,6 +191,7 @@ def _serve(config, args) -> int:
     })
     config = config.model_copy(update={"server": server})
     setup_logging(server.log_level)
+    raise_fd_limit()  # before any child process starts: they inherit it
     log = logging.getLogger("batcher")
     n = frontends(config)
     if n:

@@ -362,7 +362,7 @@ class ModelConfig(_Strict):
             raise ValueError("fallback_queue_depth needs a fallback model")
         if self.warmup_batch_sizes is not None and any(b < 1 for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes must be >= 1, got {self.warmup_batch_sizes}")
-        if self.allowed_batch_sizes is not None and self.max_batch_size is not None:
+        if self.allowed_batch_sizes is not None:  # against max_batch_size where the config gives it
             check_allowed_batch_sizes(self.allowed_batch_sizes, self.max_batch_size)
         self._gpu_options()
         names = [i.name for i in self.inputs]

@@ -218,11 +218,13 @@ def _repository(request: web.Request) -> None:
     if not server.repository_api:
         raise ModelNotFound("the repository API is disabled (server.repository_api: false)")
     if server.repository_token is not None:
-        given = request.headers.get("Authorization", "")
-        # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) compare unequal, not 500
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                   f"Bearer {server.repository_token}".encode()):
-            raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>")
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110, 11.1), the token compared in constant time; surrogateescape: a
+        # header's bytes that are not UTF-8 (aiohttp decodes them so) compare unequal, not 500
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                                  server.repository_token.encode()):
+            raise Unauthorized("the repository API needs Authorization: Bearer <server.repository_token>",
+                               headers={"WWW-Authenticate": 'Bearer realm="repository"'})
 
 
 async def _repository_body(request: web.Request, what: str) -> dict:

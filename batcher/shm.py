@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,14 @@ log = logging.getLogger(__name__)
 
 #: Most regions registered at once (system and CUDA together).
 MAX_REGIONS = 1024
+#: file descriptors a process keeps free for its connections and its own files: a registration that would leave
+#: fewer is refused. A system region holds two (its segment's, which reads and writes go through, and the copy
+#: ``mmap`` keeps); with a soft limit of 1,024 a new user's 505 registrations took every one, and the server then
+#: accepted no connection until they were unregistered. ``batcher serve`` raises the soft limit to the hard one at
+#: start (:func:`batcher.supervisor.raise_fd_limit`), so this bites only where the hard limit is low.
+FD_RESERVE = 256
+#: file descriptors one registration may take (a system region's two).
+FDS_PER_REGION = 2
 #: A system-shm copy of more bytes than this runs in a worker thread, so the event loop keeps serving.
 OFFLOAD_BYTES = 256 * 1024
 KINDS = ("system", "cuda")
@@ -72,6 +82,19 @@ def uses_shm(request: InferRequest) -> bool:
         if o.shm is not None:
             return True
     return False
+
+
+def fds_free() -> tuple[int, int] | None:
+    """``(free, limit)``: file descriptors this process may still open under its soft ``RLIMIT_NOFILE``, and that
+    limit; None where it cannot tell (no limit, or no ``/proc/self/fd``)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself held open
+    except OSError:
+        return None
+    return soft - used, soft
 
 
 class SharedMemoryRegistry:
@@ -106,6 +129,11 @@ class SharedMemoryRegistry:
             raise InvalidInput(f"shared memory region '{name}' is already registered; unregister it first")
         if len(self._regions) + len(self._opening) >= MAX_REGIONS:
             raise InvalidInput(f"{MAX_REGIONS} shared memory regions are registered already; unregister some first")
+        free = fds_free()
+        if free is not None and free[0] - FDS_PER_REGION < FD_RESERVE:
+            raise InvalidInput(f"cannot register shared memory region '{name}': {free[0]} of the server's "
+                               f"{free[1]} file descriptors are free, and it keeps {FD_RESERVE} for connections; "
+                               "unregister some regions first")
         if kind == "system":
             region: Region = SystemRegion(name, **params)
             if self.page_lock:

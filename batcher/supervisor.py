@@ -124,6 +124,29 @@ def set_device_options(server: ServerConfig) -> None:
     ExecutionContext.blocking_sync = server.cuda_blocking_sync
 
 
+#: the most the soft limit of open files is raised to where the hard limit is unlimited (Linux's default
+#: ``fs.nr_open``; above it setrlimit fails).
+FD_LIMIT_CAP = 1 << 20
+
+
+def raise_fd_limit() -> None:
+    """The soft limit of open files (``RLIMIT_NOFILE``) raised to the hard one, at most :data:`FD_LIMIT_CAP`; the
+    processes this one starts inherit it. Each connection takes a file descriptor, each system shared-memory region
+    two; under the common soft limit of 1,024 one client's 505 registrations left none for connections (a new
+    user's report). Go's runtime and the JVM raise it so at start. The event loops poll with epoll, which has no
+    limit of its own on descriptor numbers. Where the hard limit is low the shared-memory registry still keeps
+    :data:`batcher.shm.FD_RESERVE` free."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_CAP)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logging.getLogger("batcher").debug("open files stay limited to %d: %s", soft, exc)
+
+
 def set_switch_interval(us: int | None) -> None:
     """``sys.setswitchinterval`` from ``server.gil_switch_interval_us`` (microseconds); None keeps Python's
     (5 ms). With a busy event loop, a thread returning from a call that released the GIL (a CUDA copy, ONNX

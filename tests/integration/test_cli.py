@@ -123,6 +123,41 @@ def test_serve_on_port_0_logs_the_port_it_got(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("frontends", ["0", "1"])
+def test_serve_raises_its_open_files_limit_to_the_hard_one_in_every_process(tmp_path, cache_dir, frontends):
+    """Started under a soft limit of 1,024 (a hard one above it): the server and the processes it starts may open
+    as many files as the hard limit allows (at most 2^20), as one system shared-memory region takes two and each
+    connection one (a fresh user's 505 registrations used up 1,024, and then no connection was accepted)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = (1 << 20) if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if want <= 1024:
+        pytest.skip(f"the hard limit of open files here is {hard}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - {name: m, path: 'zoo:tiny_cnn'}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--config", str(cfg), "--port", "0",
+                             "--frontends", frontends], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    try:
+        for line in proc.stderr:  # once it serves, every process it starts has started
+            if "serving KServe v2 on" in line:
+                break
+        else:
+            raise AssertionError(f"no 'serving' line; exit code {proc.wait()}")
+        pids = [proc.pid, *map(int, subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split())]
+        assert len(pids) == (1 if frontends == "0" else 4)  # multi-process: an engine, a front end, the tracker
+        for pid in pids:
+            with open(f"/proc/{pid}/limits") as f:
+                soft = next(line.split()[3] for line in f if line.startswith("Max open files"))
+            assert int(soft) == want, (pid, soft)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("frontends", ["0", "1"])
 def test_a_port_in_use_is_reported_before_any_model_loads(tmp_path, cache_dir, frontends):
     """Also when the server listening there set SO_REUSEPORT (another server's front ends do): multi-process mode
     must not join its listeners (a fresh user's second server did, and the kernel split the traffic)."""

@@ -26,14 +26,16 @@ def _body(rows: int = 1) -> dict:
     return infer_kwargs(np.ones((rows, 3, 224, 224), np.float32))
 
 
-def _post(server, path: str, token: str | None = None) -> tuple[int, bytes]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+def _post(server, path: str, token: str | None = None, *, scheme: str = "Bearer", with_headers: bool = False):
+    """``(status, body)`` of a POST of ``{}``, ``(status, body, headers)`` with ``with_headers``."""
+    headers = {"Authorization": f"{scheme} {token}"} if token else {}
     req = urllib.request.Request(server.base + path, data=b"{}", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read()
+            answer = r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        answer = e.code, e.read(), e.headers
+    return answer if with_headers else answer[:2]
 
 
 def _loaded(server) -> dict[str, float]:
@@ -183,8 +185,11 @@ async def test_repository_api_states_auth_and_sticky_unload(start_server, tmp_pa
         given = {"repository_token_file": str(tmp_path / "token")}
     server = start_server({"server": {"load_strategy": "eager", "repository_api": True, **given},
                            "models": _models("tiny_cnn")})
-    assert _post(server, "/v2/repository/index")[0] == 401
-    assert _post(server, "/v2/repository/index", "wrong")[0] == 401
+    for token_given in (None, "wrong"):
+        status, _, headers = _post(server, "/v2/repository/index", token_given, with_headers=True)
+        assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="repository"'  # RFC 9110, 15.5.2
+    assert _post(server, "/v2/repository/index", "s3cret", scheme="Basic")[0] == 401
+    assert _post(server, "/v2/repository/index", "s3cret", scheme="bearer")[0] == 200  # RFC 9110, 11.1
     # a header that is not UTF-8: 401 too (it was a 500 with an ERROR line and a traceback)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"

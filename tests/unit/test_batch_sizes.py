@@ -40,6 +40,14 @@ def test_the_default_is_powers_of_two_plus_the_max_on_gpu_and_none_on_cpu():
     assert allowed_batch_sizes(model_config(max_batch_size=8, allowed_batch_sizes=[2, 8]), 8) == (2, 8)
 
 
+def test_a_model_without_a_batch_dimension_has_no_batch_sizes_on_gpu_either():
+    """``max_batch_size: 0`` on KIND_GPU: each request runs alone at its own shape, so there is nothing to pad to
+    (the sizes were ``(0,)``, which the engine refused: such a model could never load, a new user's report)."""
+    cfg = model_config(max_batch_size=0, instance_group=GPU)
+    assert allowed_batch_sizes(cfg, 0) is None and planned_batch_sizes(cfg) is None
+    assert "batch_sizes" not in engine_options(cfg, planned_batch_sizes(cfg))  # the engine default: none
+
+
 @pytest.mark.parametrize("sizes, max_batch, fragment", [
     ([4, 2, 8], 8, "must be sorted ascending without repeats, got [4, 2, 8]"),
     ([1, 1, 8], 8, "must be sorted ascending without repeats"),
@@ -47,10 +55,14 @@ def test_the_default_is_powers_of_two_plus_the_max_on_gpu_and_none_on_cpu():
     ([1, 16], 8, "allowed_batch_sizes [1, 16] exceed max_batch_size 8"),
     ([1, 4], 8, "allowed_batch_sizes [1, 4] must contain max_batch_size 8"),
     ([], 8, "must not be empty"),
+    # without max_batch_size the list's own rules still apply when the config is read (check-config without
+    # --load passed [4, 2] and serve then refused it: a new user's report)
+    ([4, 2], None, "must be sorted ascending without repeats, got [4, 2]"),
+    ([0, 8], None, "must be >= 1, got [0, 8]"),
 ])
 def test_an_explicit_list_is_checked_and_the_error_names_the_problem(sizes, max_batch, fragment):
     with pytest.raises(ConfigError) as err:
-        model_config(max_batch_size=max_batch, allowed_batch_sizes=sizes)
+        model_config(allowed_batch_sizes=sizes, **({} if max_batch is None else {"max_batch_size": max_batch}))
     assert "models[0]" in str(err.value) and fragment in str(err.value)
 
 

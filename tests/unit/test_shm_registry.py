@@ -145,6 +145,35 @@ async def test_registration_errors_name_the_region_key_and_sizes(segment):
     assert mappings(seg) == 1
 
 
+async def test_a_registration_that_would_leave_too_few_file_descriptors_for_connections_is_400(segment):
+    """Under a soft limit of open files that leaves room for one region beyond the reserve: the first registration
+    takes its two descriptors, the second is refused (a new user's 505 registrations took all of 1,024, and the
+    server then accepted no connection); unregistering gives them back."""
+    import resource
+
+    from batcher.shm import FD_RESERVE, fds_free
+
+    seg = segment(4096)
+    reg = registry()
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    free, soft = fds_free()
+    limit = soft - free + FD_RESERVE + 3  # what is open now, the reserve, one region and one descriptor more
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limits[1]))
+    try:
+        await reg.register("system", "a", key=seg.name, offset=0, byte_size=16)
+        assert fds_free() == (FD_RESERVE + 1, limit)  # a region takes two
+        with pytest.raises(InvalidInput, match=re.escape(
+                f"cannot register shared memory region 'b': {FD_RESERVE + 1} of the server's {limit} file "
+                f"descriptors are free, and it keeps {FD_RESERVE} for connections; unregister some regions first")):
+            await reg.register("system", "b", key=seg.name, offset=0, byte_size=16)
+        await reg.unregister("system", "a")
+        await reg.register("system", "b", key=seg.name, offset=0, byte_size=16)
+        assert [r["name"] for r in reg.status("system")] == ["b"]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        await reg.close()
+
+
 async def test_disabled_extensions_answer_not_found_and_requests_naming_regions_400():
     reg = registry(system=False, cuda_on=False)
     for call in (reg.register("system", "r", key="/k", offset=0, byte_size=8), reg.unregister("cuda", "r")):
