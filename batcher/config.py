@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -286,7 +287,9 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
             # a whole section (a rule across its keys) or a value the message names already is not repeated
-            shown = "" if isinstance(value, (dict, list)) or repr(value) in msg else f" (got {value!r})"
+            # (as a whole token: 10 is not named by "greater than or equal to 1024")
+            named = re.search(rf"(?<![\w.]){re.escape(repr(value))}(?![\w.])", msg) is not None
+            shown = "" if isinstance(value, (dict, list)) or named else f" (got {value!r})"
             if where.endswith("repository_token"):  # a secret: never printed
                 shown = ""
             lines.append(f"{where}: {msg}{shown}")

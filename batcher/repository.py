@@ -34,7 +34,7 @@ from .events import LifecycleEvents
 from .loader import Loaded, load_model, trim_heap
 from .lru import Candidate, MemoryBudget, NoRoom, TooLarge
 from .metrics import Metrics
-from .slots import (LOADING, NOT_LOADED_RETRY_S, READY, UNAVAILABLE, UNLOADING, MiB, ModelSlot,
+from .slots import (LOADING, NOT_LOADED, NOT_LOADED_RETRY_S, READY, UNAVAILABLE, UNLOADING, MiB, ModelSlot,
                     ModelSlots)
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,14 @@ class ModelRepository(ModelSlots):
                "estimated before its first load as (1 + 2 x instances) x file size + 32 MB; memory_mb sets it")
         return (f"needs {slot.budget_bytes / MiB:.0f} MB ({how}), more than the whole memory budget "
                 f"({self.budget.budget_bytes / MiB:.0f} MB): no eviction can make room for it")
+
+    def reason(self, slot: ModelSlot) -> str:
+        """The index's reason for ``slot``: a version never loaded that counts more than the whole budget says so
+        (:meth:`too_large`) from the start, not only once a request has been refused for it (a new user's report:
+        the index said "not loaded" until then)."""
+        if slot.state == UNAVAILABLE and slot.reason == NOT_LOADED:
+            return self.too_large(slot) or slot.reason
+        return slot.reason
 
     def _refuse_too_large(self, slot: ModelSlot) -> None:
         """Raise :meth:`too_large`'s answer for ``slot`` (and make it the slot's reason), if it has one."""

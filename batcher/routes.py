@@ -81,7 +81,10 @@ async def infer(request: web.Request) -> web.Response:
     hash_header, hash_parameter = config.routing.hash_header, config.routing.hash_parameter
 
     async def read() -> InferRequest:
-        header_length = request.headers.get(HEADER_LENGTH)
+        lengths = request.headers.getall(HEADER_LENGTH, ())  # as cheap as .get (0.15 against 0.23 us)
+        if len(lengths) > 1:  # which of them is the JSON part's length would be a guess (the first was taken)
+            raise InvalidInput(f"{HEADER_LENGTH} is given {len(lengths)} times")
+        header_length = lengths[0] if lengths else None
         # the JSON part's length where the header is plain ASCII digits; anything else (str.isdigit alone takes "²",
         # which int() refuses: a 500 a client could cause) is the codec's 400
         json_length = (int(header_length) if header_length is not None and header_length.isascii()

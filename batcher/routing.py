@@ -67,7 +67,12 @@ class Router:
                 return await self._ready(slot, deadline)
             except Unavailable as exc:
                 log.debug("model %s unavailable (%s), routing to fallback %s", slot.name, exc.message, cfg.fallback)
-                return await self.acquire(fallback, deadline, allow_fallback=False)
+                try:
+                    return await self.acquire(fallback, deadline, allow_fallback=False)
+                except Unavailable as fallback_exc:  # the answer names the model asked for, then its fallback
+                    retry = [s for s in (exc.retry_after_s, fallback_exc.retry_after_s) if s is not None]
+                    raise Unavailable(f"{exc.message}; its fallback: {fallback_exc.message}",
+                                      retry_after_s=min(retry) if retry else None) from None
         return await self._ready(slot, deadline)
 
     def pin_ready(self, slot: ModelSlot) -> bool:

@@ -34,6 +34,8 @@ NOT_LOADED_RETRY_S = math.ceil(LOAD_RETRY_S)
 
 #: Triton's model states (repository extension).
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+#: the reason of a version the version policy serves and that has not been loaded yet
+NOT_LOADED = "not loaded"
 
 
 class ModelSlot:
@@ -46,7 +48,7 @@ class ModelSlot:
         self.version = str(cfg.version)
         self.selected = selected  # chosen by the name's version policy
         self.state = UNAVAILABLE
-        self.reason = "not loaded" if selected else "not selected by the version policy"
+        self.reason = NOT_LOADED if selected else "not selected by the version policy"
         self.failed: str | None = None  # why the last load failed, while that stands
         self.failed_at: float | None = None  # event-loop time of that failure
         self.loaded: Loaded | None = None
@@ -153,6 +155,11 @@ class ModelSlots:
         """The versions of ``name`` its version policy serves, lowest first (fixed once configured)."""
         return self._served[name]
 
+    def reason(self, slot: ModelSlot) -> str:
+        """The reason the index gives for ``slot``'s state (its own; :class:`batcher.repository.ModelRepository`
+        adds what it knows before any request)."""
+        return slot.reason
+
     def index(self, ready: bool | None = None) -> list[dict]:
         """The repository index (Triton's form): every configured version with its state and reason; with
         ``ready`` true only the READY ones (Triton's ``ready`` filter), false only the others."""
@@ -160,7 +167,7 @@ class ModelSlots:
         for s in self.all():
             if ready is not None and (s.state == READY) != ready:
                 continue
-            entry = {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
+            entry = {"name": s.name, "version": s.version, "state": s.state, "reason": self.reason(s)}
             pids = [getattr(c, "pid", None) for c in (s.loaded.contexts if s.loaded else ())]
             if any(pids):
                 entry["worker_pids"] = pids

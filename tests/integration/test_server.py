@@ -169,6 +169,9 @@ BAD_REQUESTS = [
     ("header length of digits that are not ASCII", "ppocr_cls",  # str.isdigit takes them, int() not: was a 500
      {"data": b"{}", "headers": {"Inference-Header-Content-Length": "1\u00b2"}}, 400,
      "Inference-Header-Content-Length: expected a decimal byte count, got '1\u00b2'"),
+    ("header length given twice", "ppocr_cls",  # which one holds? (the first was taken silently)
+     {"data": b"{}", "headers": [("Inference-Header-Content-Length", "2"), ("Inference-Header-Content-Length", "1")]},
+     400, "Inference-Header-Content-Length is given 2 times"),
     ("header length past the body", "ppocr_cls",
      {"data": b"{}", "headers": {"Inference-Header-Content-Length": "99"}}, 400, "outside the body's 2 bytes"),
     ("unknown output", "ppocr_cls", {"json": {**_body(), "outputs": [{"name": "nope"}]}}, 400, "unknown output 'nope'"),

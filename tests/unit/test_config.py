@@ -334,6 +334,12 @@ def test_a_config_error_shows_the_value_once_and_never_a_whole_section():
     with pytest.raises(ConfigError) as exc:
         parse_config({"models": [{"name": "a", "path": "p", "max_batch_size": -3}]})
     assert "models[0].max_batch_size" in str(exc.value) and "(got -3)" in str(exc.value)
+    # a value that is only part of a number in the message is still shown (10 in "... equal to 1024": a fresh
+    # user's find)
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"server": {"max_inflight_body_bytes": 10}, "models": [{"name": "a", "path": "p"}]})
+    assert str(exc.value).endswith(
+        "server.max_inflight_body_bytes: Input should be greater than or equal to 1024 (got 10)")
 
 
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):

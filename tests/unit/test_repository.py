@@ -237,6 +237,9 @@ async def test_a_model_larger_than_the_whole_budget_is_refused_saying_so_without
     from batcher.slots import LOAD_RETRY_S
 
     r, loader = repo([{"name": "a", "memory_mb": 500}], load_strategy="lru", memory_budget_mb=100, on_cold=on_cold)
+    # before any request too (it said "not loaded" until one came: a fresh user's report)
+    assert r.index() == [{"name": "a", "version": "1", "state": UNAVAILABLE,
+                          "reason": NEVER_FITS.removeprefix("model 'a' version 1 ")}]
     for _ in range(3):
         with pytest.raises(Unavailable) as exc:
             await r.acquire(r.slot("a"))
@@ -332,6 +335,17 @@ async def test_fallback_takes_requests_when_the_model_cannot_load():
     got = await r.acquire(r.slot("a"))
     assert got is r.slot("b") and r.slot("a").failed
     r.release(got)
+    await r.close()
+
+
+async def test_when_the_fallback_cannot_serve_either_the_503_names_the_model_asked_for_then_its_fallback():
+    """A fresh user's find: the 503 named only the fallback, not the model the client had asked for."""
+    r, _ = repo([{"name": "a", "fallback": "b"}, {"name": "b"}], FakeLoader(fail={"a", "b"}), load_strategy="lazy")
+    with pytest.raises(Unavailable) as exc:
+        await r.acquire(r.slot("a"))
+    asked, fallback = exc.value.message.split("; its fallback: ")
+    assert "model 'a' failed to load" in asked and "model 'b' failed to load" in fallback
+    assert exc.value.retry_after_s == 5  # a failed load's
     await r.close()
 
 
