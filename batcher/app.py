@@ -181,7 +181,7 @@ def _drain_on_sigterm(dataplane: DataPlane, grace_s: float, shutdown: Shutdown, 
     def on_sigterm() -> None:
         shutdown.draining = True
         if not tasks:
-            log.info("SIGTERM: not ready any more; finishing accepted requests (grace %.0f s)", grace_s)
+            log.info("SIGTERM: not ready any more; finishing accepted requests (grace %g s)", grace_s)
             tasks.append(loop.create_task(drain_then_exit()))
 
     try:

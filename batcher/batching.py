@@ -284,19 +284,27 @@ class BatchTimes:
         return (full * t_full + t_rest) / contexts
 
 
+#: seconds a window closed for a deadline leaves beside the batch's estimated time: the timer that closes it, the
+#: hand-off to the context's thread and the deadline check there (:func:`batcher.batch_steps.stage_batch`) all come
+#: a little after it. A fresh user's 20 ms deadlines in a 50 ms window were all 504: the window closed at exactly
+#: the deadline less the estimate, so any lateness dropped the batch, and before any batch had run (no estimate)
+#: the deadline was not looked at at all.
+DEADLINE_MARGIN_S = 0.002
+
+
 def window_wait(now: float, first_arrival: float, delay_s: float, earliest_deadline: float | None = None,
                 batch_seconds: float | None = None) -> float:
     """Seconds a batch may still wait for more requests (<= 0: dispatch now).
 
     The window opens at the batch's first request (Triton's ``max_queue_delay_microseconds``, after Ray Serve's
     ``batch_wait_timeout_s``: the wait starts at the first request, not at the call); it closes early when the
-    batch's earliest deadline needs the time left to execute the batch (``batch_seconds``, estimated). A wait
-    under one microsecond (the window's unit) is 0: float rounding of ``arrival + delay - now`` would otherwise
-    leave waits of ~1e-18 s that a clock cannot advance by.
+    batch's earliest deadline needs the time left to execute the batch (``batch_seconds``, estimated; 0 before
+    any batch has run) and :data:`DEADLINE_MARGIN_S`. A wait under one microsecond (the window's unit) is 0: float
+    rounding of ``arrival + delay - now`` would otherwise leave waits of ~1e-18 s that a clock cannot advance by.
     """
     wait = first_arrival + delay_s - now
-    if earliest_deadline is not None and batch_seconds is not None:
-        wait = min(wait, earliest_deadline - now - batch_seconds)
+    if earliest_deadline is not None:
+        wait = min(wait, earliest_deadline - now - (batch_seconds or 0.0) - DEADLINE_MARGIN_S)
     return wait if wait >= 1e-6 else 0.0
 
 

@@ -191,14 +191,14 @@ class ModelRunner:
             raise Unavailable(
                 f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})")
         now = self._loop.time()
+        level = priority_level(priority, self._levels, self._default_level)
         if deadline is not None:
             if self.cfg.dynamic_batching.admission_control:
-                self._admit(now, deadline, rows)
+                self._admit(now, deadline, rows, level)
             if deadline <= now:
                 raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         p = Pending(inputs, rows, shape_key(inputs), received, deadline, self._loop.create_future(),
-                    priority=priority_level(priority, self._levels, self._default_level), lease=lease,
-                    seq=next(self._seq))
+                    priority=level, lease=lease, seq=next(self._seq))
         self._gaps.arrive(received)
         if deadline is not None:
             p.timer = self._loop.call_at(deadline, self._expire, p)
@@ -223,13 +223,22 @@ class ModelRunner:
         if not p.future.done():
             p.future.cancel()
 
-    def _admit(self, now: float, deadline: float, rows: int) -> None:
-        verdict, drain = admission(now, deadline, rows, self._queued_rows + self._executing_rows, self.times,
-                                   self._max_batch, len(self._executors))
+    def _admit(self, now: float, deadline: float, rows: int, level: int) -> None:
+        """Admission control for a request of ``rows`` rows, priority ``level`` and ``deadline``: refused (503) when
+        the rows that go before it (executing, and queued ones more urgent by :func:`urgency`: a higher level, or
+        the same level and a deadline no later) and its own cannot drain by its deadline. The whole queue is looked
+        at only when the queued rows in all would refuse it (a fresh user's report: a request of the highest
+        priority, or with the earliest deadline, was refused for the rows queued behind it)."""
+        ahead = self._queued_rows + self._executing_rows
+        verdict, drain = admission(now, deadline, rows, ahead, self.times, self._max_batch, len(self._executors))
+        if verdict is Verdict.CANNOT_FINISH and self._queued_rows:
+            key = (level, deadline)
+            ahead = self._executing_rows + sum(p.rows for p in self._queue if p.state is State.QUEUED
+                                               and urgency(p, now, self._starve_s)[:2] <= key)
+            verdict, drain = admission(now, deadline, rows, ahead, self.times, self._max_batch, len(self._executors))
         if verdict is Verdict.LATE:
             raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         if verdict is Verdict.CANNOT_FINISH:
-            ahead = self._queued_rows + self._executing_rows
             need = self.times.drain(ahead + rows, self._max_batch, len(self._executors)) or 0.0
             raise Unavailable(
                 f"model '{self.name}': the {ahead} rows ahead and this request's {rows} need about {need * 1e3:.1f} "

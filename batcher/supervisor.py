@@ -314,7 +314,7 @@ class Supervisor:
     # ---------------------------------------------------------------- signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM and self.stopping is None:
-            log.info("SIGTERM: front ends drain (grace %.0f s), then the engine processes stop",
+            log.info("SIGTERM: front ends drain (grace %g s), then the engine processes stop",
                      self.server.shutdown_grace_s)
             self.stopping = "drain"
             self.drain_deadline = time.monotonic() + self.server.shutdown_grace_s + EXIT_WAIT_S

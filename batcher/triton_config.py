@@ -220,7 +220,10 @@ def _dynamic_batching(cfg: ModelConfig, doc: Any, unsupported: list[str]) -> dic
             unsupported.append(f"{where}timeout_action: {policy['timeout_action']}")
         for key in ("max_queue_size", "default_timeout_microseconds"):
             if key in policy:
-                out["default_queue_policy"][key] = _int(policy[key], where + key)
+                value = _int(policy[key], where + key)
+                if key == "max_queue_size" and value == 0:  # Triton's default, "no limit": the queue here is
+                    continue  # always bounded, so it keeps its bound (a fresh user's Triton config got a 400)
+                out["default_queue_policy"][key] = value
     return out
 
 

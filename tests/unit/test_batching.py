@@ -145,11 +145,16 @@ def test_priority_levels_then_the_starvation_bound():
 
 
 def test_the_window_rounds_sub_microsecond_waits_to_zero():
-    from batcher.batching import window_wait
+    from batcher.batching import DEADLINE_MARGIN_S, window_wait
 
     assert window_wait(0.1 + 0.2, 0.1, 0.2) == 0.0  # 0.1 + 0.2 - 0.30000000000000004 is not exactly 0
     assert window_wait(1.0, 1.0, 0.002) == pytest.approx(0.002)
-    assert window_wait(1.0, 1.0, 0.002, earliest_deadline=1.0015, batch_seconds=0.001) == pytest.approx(0.0005)
+    # a deadline closes it early: less the batch's estimate and the margin for what comes late; before any batch
+    # has run (no estimate), less the margin alone (it was not looked at: a fresh user's deadlines shorter than the
+    # window were all 504)
+    assert window_wait(1.0, 1.0, 0.002, earliest_deadline=1.0045, batch_seconds=0.001) == pytest.approx(0.0015)
+    assert window_wait(1.0, 1.0, 0.050, earliest_deadline=1.020) == pytest.approx(0.020 - DEADLINE_MARGIN_S)
+    assert window_wait(1.0, 1.0, 0.050, earliest_deadline=1.0015) == 0.0
 
 
 def test_a_presorted_queue_gives_the_same_batch_without_sorting():

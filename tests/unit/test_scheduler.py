@@ -276,6 +276,23 @@ async def test_only_requests_of_one_shape_share_a_batch():
     await r.close()
 
 
+async def test_a_deadline_shorter_than_the_window_closes_it_in_time_before_and_after_the_first_batch():
+    """A fresh user's report: with a 50 ms window and 20 ms deadlines every request got 504, on a model taking
+    0.1 ms. Before any batch has run there is no estimate, and the deadline was not looked at; after, the window
+    closed at exactly the deadline less the estimate, so any lateness dropped the batch. Now it closes the margin
+    (DEADLINE_MARGIN_S) earlier still: at 18 ms with no estimate, at 17 ms with the 1 ms one."""
+    from batcher.batching import DEADLINE_MARGIN_S
+
+    r, ctxs, _, _ = runner(max_queue_delay_microseconds=50_000)
+    for estimate in (0.0, 0.001):
+        t0 = now()
+        out = await submit(r, value=3.0, timeout_s=0.020)
+        np.testing.assert_array_equal(out["y"], np.full((1, 4), 6.0, np.float32))
+        assert now() - t0 == pytest.approx(0.020 - DEADLINE_MARGIN_S - estimate + 0.001)  # window, then 1 row
+    assert ctxs[0].batches == [1, 1]
+    await r.close()
+
+
 async def test_a_queued_request_gets_504_at_its_deadline_and_never_runs():
     r, ctxs, _, metrics = runner(seconds_per_row=0.100)
     slow = submit(r, 5)  # 0.5 s
@@ -315,17 +332,35 @@ async def test_work_that_would_finish_after_its_deadline_is_not_started():
 
 
 async def test_admission_control_refuses_what_cannot_drain_in_time_with_retry_after():
-    r, _, _, _ = runner(seconds_per_row=0.100)
+    r, _, _, _ = runner(seconds_per_row=0.100, priority_levels=2)
     await submit(r, 8)  # t(8) = 0.8 s measured
-    backlog = [submit(r, 8) for _ in range(3)]  # 2.4 s of work ahead
+    backlog = [submit(r, 8, priority=1) for _ in range(3)]  # 2.4 s of work ahead of any level-2 request
     await asyncio.sleep(0)
     with pytest.raises(Unavailable) as exc:
-        await submit(r, timeout_s=0.5)
+        await submit(r, timeout_s=0.5, priority=2)
     assert exc.value.message == ("model 'm': the 24 rows ahead and this request's 1 need about 2500.0 ms, beyond its "
                                  "deadline in 500.0 ms")
     assert exc.value.retry_after_s == 3  # the 2.4 s of the rows ahead, rounded up
-    ok = submit(r, timeout_s=5.0)  # 2.4 s + its own row: fits
+    ok = submit(r, timeout_s=5.0, priority=2)  # 2.4 s + its own row: fits
     await asyncio.gather(*backlog, ok)
+    await r.close()
+
+
+@pytest.mark.parametrize("how", ["a higher priority", "an earlier deadline"])
+async def test_admission_counts_only_the_rows_that_go_before_the_request(how):
+    """A fresh user's report: a request of the highest priority (or, at one level, with the earliest deadline) was
+    refused for the whole queue's rows, although it goes before them. Only the executing batch is ahead of it here:
+    admitted, it runs next, alone, and is answered before its deadline."""
+    r, ctxs, _, _ = runner(seconds_per_row=0.100, priority_levels=2, default_priority_level=2)
+    await submit(r, 8)  # t(8) = 0.8 s measured
+    backlog = [submit(r, 8) for _ in range(3)]  # level 2, no deadline: one batch executing, 16 rows queued
+    await asyncio.sleep(0)
+    t0 = now()
+    out = await submit(r, value=5.0, timeout_s=1.0, priority=1 if how == "a higher priority" else None)
+    np.testing.assert_array_equal(out["y"], np.full((1, 4), 10.0, np.float32))
+    assert now() - t0 == pytest.approx(0.8 + 0.1)  # behind the executing batch only
+    await asyncio.gather(*backlog)
+    assert ctxs[0].batches == [8, 8, 1, 8, 8]
     await r.close()
 
 

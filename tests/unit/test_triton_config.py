@@ -112,13 +112,15 @@ def test_each_supported_field_changes_the_config():
 def test_fields_left_out_keep_their_values_and_triton_defaults_ask_for_nothing():
     cfg = _cfg(max_batch_size=4, dynamic_batching={"max_queue_delay_microseconds": 100})
     doc = {"instance_group": [{"count": 2, "kind": "KIND_CPU", "profile": [], "passive": False}],
-           "dynamic_batching": {"preserve_ordering": False, "priority_levels": 0, "default_priority_level": 0},
+           "dynamic_batching": {"preserve_ordering": False, "priority_levels": 0, "default_priority_level": 0,
+                                "default_queue_policy": {"max_queue_size": 0}},  # Triton's "no limit"
            "optimization": {}, "model_warmup": [], "sequence_batching": None,
            "input": [{"name": "x", "dims": [3, -1], "format": "FORMAT_NONE", "is_shape_tensor": False}]}
     new = apply_model_config(cfg, _sig(4), doc)
     assert new.max_batch_size == 4 and new.dynamic_batching.max_queue_delay_microseconds == 100
     assert new.dynamic_batching.priority_levels == 1 and new.dynamic_batching.default_priority_level is None
     assert new.instances == 2 and new.inputs == []  # [3, -1] is what it serves already
+    assert new.dynamic_batching.default_queue_policy.max_queue_size == 256  # bounded here: the bound it had
 
 
 def test_unsupported_fields_are_refused_all_named_at_once():
