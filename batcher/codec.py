@@ -39,7 +39,7 @@ from engines.cuda import IPC_HANDLE_BYTES
 from engines.datatypes import NUMPY_DTYPES, from_numpy
 
 from .errors import InvalidInput
-from .json_tensors import LITERAL_RULES, json_tensor  # re-exported: codec's public names
+from .json_tensors import LITERAL_RULES, json_tensor  # noqa: F401 - re-exported: codec's public names
 from .json_tensors import json_literal as _literal
 from .json_tensors import json_type
 from .protocol import InferRequest, InferResponse, RequestedOutput, ShmInput, ShmRef

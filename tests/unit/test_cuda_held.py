@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import logging
-from ctypes import c_float, c_int, c_size_t, c_uint64
+from ctypes import c_int, c_size_t, c_uint64
 
 import numpy as np
 import pytest

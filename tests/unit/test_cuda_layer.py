@@ -5,7 +5,6 @@ test_onnxruntime_cuda.py)."""
 from __future__ import annotations
 
 import ctypes
-import types
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np

@@ -525,7 +525,7 @@ def test_fp16_engine_on_the_stand_in_uses_the_converted_file(device, tmp_path):
 def test_gate_waits_for_readers_and_prefers_a_waiting_capture():
     gate = CaptureGate()
     order = []
-    reader_in, release_reader, writer_waiting = threading.Event(), threading.Event(), threading.Event()
+    reader_in, release_reader = threading.Event(), threading.Event()
 
     def reader():
         with gate.shared():

@@ -466,7 +466,7 @@ def test_two_profiles_two_contexts(load, fake):
 
 def test_release_frees_everything_contexts_before_engine(load, fake):
     eng = load()
-    c0, c1 = eng.create_context(), eng.create_context()
+    c0, _c1 = eng.create_context(), eng.create_context()  # _c1: released by eng.release() below
     c0.execute({"x": rand(2, 3, 4, 4)})
     c0.release()
     c0.release()  # idempotent

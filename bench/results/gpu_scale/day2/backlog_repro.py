@@ -1,5 +1,5 @@
 """Reproduce part n's transport errors at 1 front end: 512 closed-loop clients, log each failure's exception."""
-import argparse, asyncio, collections, sys, tempfile, time, traceback
+import argparse, asyncio, collections, sys, tempfile, time
 from pathlib import Path
 import aiohttp
 from bench.server import ServerProcess
