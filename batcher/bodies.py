@@ -335,7 +335,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float,
         before its body was read (module docstring).
     """
     try:  # costs nothing until something is raised
-        codings = content_codings(request.headers.get("Content-Encoding"))
+        # the header on several lines is one list (RFC 9110, 5.3; a fresh user's find: the second line was ignored)
+        codings = content_codings(",".join(request.headers.getall("Content-Encoding", ())) or None)
         declared = request.content_length
         check_declared(declared, max_bytes)
         plain = not codings and declared is not None

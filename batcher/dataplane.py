@@ -29,7 +29,7 @@ from .config import Config
 from .errors import BatcherError, ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound, Unavailable
 from .executor import Executor, ThreadExecutor, executor_for
 from .metrics import Metrics
-from .outcomes import CountedLater, Inflight, Started, cancel_reason
+from .outcomes import NOT_COUNTED, CountedLater, Inflight, Started, cancel_reason
 from .protocol import InferRequest, InferResponse
 from .repository import ModelRepository
 from .slots import READY, ModelSlot
@@ -315,7 +315,10 @@ class DataPlane:
         return started
 
     def _count(self, slot: ModelSlot, reason: str | None, received: float) -> None:
-        """The one place an inference outcome is counted: ``reason`` None is a success."""
+        """The one place an inference outcome is counted: ``reason`` None is a success; :data:`NOT_COUNTED` (another
+        process counts it) is not counted."""
+        if reason == NOT_COUNTED:
+            return
         elapsed = asyncio.get_running_loop().time() - received
         outcomes = self.metrics.outcomes(slot.name, slot.version)
         if reason is None:

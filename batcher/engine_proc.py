@@ -12,6 +12,13 @@ request, or settles an answer sent but not yet acknowledged (counted ``canceled`
 answered 504 itself, :data:`batcher.outcomes.OVERDUE`); a front end that dies cancels
 every request it had and settles its answers not yet acknowledged (counted ``dropped``).
 
+SIGTERM to an engine process drains it as SIGTERM drains a server (``server.shutdown_grace_s``): new requests get
+503 (counted ``rejected`` here), accepted ones are answered, what is still queued when the grace is over gets 503,
+and the answers sent are acknowledged before it closes its connections. What it still holds then (a batch
+running past the grace) its front ends answer 503 and count (:class:`batcher.remote.EngineLost`), so it does not
+(:data:`batcher.outcomes.ENGINE_STOPPING`). SIGINT closes at once. The supervisor starts it again (the whole
+server's SIGTERM stops the front ends first, so its engine processes have nothing left to drain).
+
 A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
 RELEASE message later) only when nothing reads it any more (:class:`batcher.protocol.Lease`): a request answered
 504 while its batch executes is still read by that batch.
@@ -36,7 +43,7 @@ import numpy as np
 
 from .config import Config
 from .dataplane import DataPlane
-from .outcomes import FRONTEND_LOST, CountedLater, cancel_reason
+from .outcomes import ENGINE_STOPPING, FRONTEND_LOST, CountedLater, cancel_reason
 from .errors import BatcherError, RemoteError
 from .heartbeat import beat
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
@@ -48,6 +55,9 @@ from .repository import ModelRepository
 from .topology import DeviceOrder, Engine, contexts_on, engine_config, engine_devices, engine_slots, placed_on
 
 log = logging.getLogger(__name__)
+
+#: SIGTERM's drain waits at most this long, after its grace, for the front ends to acknowledge the answers sent
+ACK_WAIT_S = 2.0
 
 
 class _Request:
@@ -221,12 +231,19 @@ class FrontendConnection:
     def _on_lost(self) -> None:
         """The front end is gone: drop its requests (counted ``dropped``); its area is unmapped once no request is
         in progress and no batch reads it (a request cancelled while its batch executes keeps its lease until that
-        batch ends: unmapping under it crashed the process, and on a GPU the batch's copy may still read it)."""
-        if self.requests or self.acks:  # both are counted ``dropped``
-            log.warning("%s is gone: dropping its %d request(s) in progress and %d answer(s) it had not "
-                        "acknowledged", self.who, len(self.requests), len(self.acks))
+        batch ends: unmapping under it crashed the process, and on a GPU the batch's copy may still read it).
+        When this process closed the connection itself (:meth:`EngineServer.close`), the front end answers and
+        counts its requests: they are dropped here uncounted."""
+        stopping = self.server.stopping
+        if self.requests or self.acks:  # both are counted ``dropped`` (requests: by the front end when stopping)
+            if stopping:
+                log.warning("closing the connection of %s with %d request(s) in progress (answered 503 there) and "
+                            "%d answer(s) it had not acknowledged", self.who, len(self.requests), len(self.acks))
+            else:
+                log.warning("%s is gone: dropping its %d request(s) in progress and %d answer(s) it had not "
+                            "acknowledged", self.who, len(self.requests), len(self.acks))
         for req in list(self.requests.values()):
-            req.cancel(FRONTEND_LOST)
+            req.cancel(ENGINE_STOPPING if stopping else FRONTEND_LOST)
         acks, self.acks = self.acks, {}
         for later in acks.values():
             later.settle("dropped")
@@ -326,6 +343,8 @@ class EngineServer:
         self._accepting: asyncio.Task | None = None
         self._next_index = 0
         self._cuda_ok = device is not None
+        #: this process closes its connections itself (:meth:`close`)
+        self.stopping = False
 
     async def start(self) -> None:
         """Listen (a stale socket file of an earlier engine process is replaced)."""
@@ -383,8 +402,20 @@ class EngineServer:
             except Exception as exc:
                 log.warning("cudaHostUnregister failed: %s", exc)
 
+    async def acknowledged(self, timeout_s: float) -> bool:
+        """Wait until every answer sent has been acknowledged (or aborted) by its front end, at most ``timeout_s``
+        seconds; whether they all were."""
+        end = asyncio.get_running_loop().time() + timeout_s
+        while any(c.acks for c in self.connections):
+            if asyncio.get_running_loop().time() >= end:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
     async def close(self) -> None:
-        """Stop accepting and close every connection (their requests are dropped)."""
+        """Stop accepting and close every connection (their requests are dropped, uncounted: their front ends
+        answer and count them)."""
+        self.stopping = True
         if self._accepting is not None:
             self._accepting.cancel()
             try:
@@ -444,16 +475,34 @@ async def _serve(config: Config, engine: Engine, path: str, ready: Any, devices:
                           engine_slots(config, engine), devices)
     await server.start()
     freeze_heap()
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()  # SIGTERM: drain first; SIGINT: close at once
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: (stop.set(), now.set()))
     log.info("engine process for %s: %d model version(s) ready", engine.name, len(server.slot_index))
     ready.send(("ready", os.getpid()))
     await stop.wait()
+    if not now.is_set():  # the drain (module docstring), cut short by a SIGINT
+        draining, interrupted = loop.create_task(_drain(dataplane, server, config.server.shutdown_grace_s)), \
+            loop.create_task(now.wait())
+        await asyncio.wait([draining, interrupted], return_when=asyncio.FIRST_COMPLETED)
+        for task in (draining, interrupted):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     await server.close()
     await dataplane.close()
     return 0
+
+
+async def _drain(dataplane: DataPlane, server: EngineServer, grace_s: float) -> None:
+    """SIGTERM's drain: new requests 503, accepted ones answered within ``grace_s``; then what is still queued gets
+    503 (counted here), and the answers sent are acknowledged (at most :data:`ACK_WAIT_S`), so that they are
+    counted here before the connections close."""
+    await dataplane.drain(grace_s)
+    if dataplane.shed():
+        await asyncio.sleep(0)  # their ERROR messages go out with this loop iteration
+    await server.acknowledged(ACK_WAIT_S)
 
 
 def engine_main(config: Config, engine: Engine, path: str, log_level: str, heartbeat: Any, ready: Any) -> None:

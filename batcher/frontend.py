@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from .ipc import CANCELED, RESULT, error_tuple
 from .metrics import Metrics
 from .protocol import InferRequest, InferResponse
 from .remote import BodyBuffer, EngineLink, EngineLost
+from .shm import RegistryLock
 from .slots import ModelSlots
 from .strategy import LEAST_QUEUE, Strategy, Target
 from .topology import Engine, engine_slots, engines, model_engines, weight
@@ -72,6 +74,9 @@ class RemoteDataPlane:
         self._draining = False
         self._expiring: asyncio.Task | None = None
         self._registered_here: set[tuple[str, str]] = set()  # (kind, name) of the regions registered through here
+        #: one front end at a time changes the engine processes' shared-memory registries (the runtime folder's)
+        self._registry_lock = RegistryLock(os.path.join(os.path.dirname(next(iter(paths.values()))),
+                                                        "shm-registry.lock"))
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -112,6 +117,11 @@ class RemoteDataPlane:
                 log.warning("the %s restarted without the shared memory regions registered there (%s, registered "
                             "through this front end); clients must register them again", link.name, ", ".join(lost))
             return
+        async with self._registry_lock.held():  # no change through another front end in between
+            await self._copy_regions(sibling, link)
+
+    async def _copy_regions(self, sibling: EngineLink, link: EngineLink) -> None:
+        shm = self.config.server.shared_memory
         try:
             regions = await sibling.call("shm_status", "system") if shm.system else []
             cuda = await sibling.call("shm_status", "cuda") if shm.cuda else []
@@ -342,21 +352,38 @@ class RemoteDataPlane:
         await asyncio.gather(*(link.call(method, model, *args, timeout_s=None) for link in links))
 
     async def shm_register(self, kind: str, name: str, **params: Any) -> None:
-        """Register a region in every running engine process (as :meth:`__getattr__`'s methods), remembered as
-        registered through this front end (what :meth:`_restore_regions` says a restart lost)."""
-        await self._everywhere("shm_register", kind, name, **params)
+        """Register a region in every running engine process, one front end at a time (:class:`RegistryLock`),
+        remembered as registered through this front end (what :meth:`_restore_regions` says a restart lost). All
+        or nothing: where one engine process refuses, those that took it unregister it again, and the first
+        refusal is raised (as :meth:`__getattr__`'s methods)."""
+        async with self._registry_lock.held():
+            up = self._up()
+            answers = await asyncio.gather(*(link.call("shm_register", kind, name, **params) for link in up),
+                                           return_exceptions=True)
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if failed:
+                took = [link for link, a in zip(up, answers) if not isinstance(a, BaseException)]
+                await asyncio.gather(*(link.call("shm_unregister", kind, name) for link in took),
+                                     return_exceptions=True)
+                raise failed[0]
         self._registered_here.add((kind, name))
 
     async def shm_unregister(self, kind: str, name: str | None = None) -> None:
-        """Unregister ``name`` (every region of ``kind`` when None) in every running engine process."""
-        await self._everywhere("shm_unregister", kind, name)
+        """Unregister ``name`` (every region of ``kind`` when None) in every running engine process, one front end
+        at a time (:class:`RegistryLock`)."""
+        async with self._registry_lock.held():
+            await self._everywhere("shm_unregister", kind, name)
         self._registered_here = {(k, n) for k, n in self._registered_here if k != kind or name not in (None, n)}
 
-    async def _everywhere(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _up(self) -> list[EngineLink]:
+        """The engine processes running. Raises Unavailable: none is."""
         up = [link for link in self.links if link.connected]
         if not up:
             raise Unavailable("no engine process is running; they are being restarted", retry_after_s=1)
-        answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in up))
+        return up
+
+    async def _everywhere(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        answers = await asyncio.gather(*(link.call(method, *args, **kwargs) for link in self._up()))
         return answers[0]
 
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:

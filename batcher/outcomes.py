@@ -33,11 +33,20 @@ OVERDUE = "overdue"
 SHED = "shed"
 
 
+#: the message a request is cancelled with when its engine process closes the connection itself (SIGTERM to that
+#: process, its grace over): its front end answers 503 and counts it ``rejected`` (an engine process lost,
+#: :class:`batcher.remote.EngineLost`), so the engine process does not count it (:data:`NOT_COUNTED`).
+ENGINE_STOPPING = "engine stopping"
+#: the "reason" of an outcome that another process counts: :meth:`batcher.dataplane.DataPlane._count` skips it.
+NOT_COUNTED = "not counted"
+
+
 def cancel_reason(message: str | None) -> str:
     """The failure reason a request cancelled with ``message`` is counted under: ``dropped``
-    (:data:`FRONTEND_LOST`), ``timeout`` (:data:`OVERDUE`), ``rejected`` (:data:`SHED`), else ``canceled`` (its
-    client went away)."""
-    return {FRONTEND_LOST: "dropped", OVERDUE: "timeout", SHED: "rejected"}.get(message, "canceled")
+    (:data:`FRONTEND_LOST`), ``timeout`` (:data:`OVERDUE`), ``rejected`` (:data:`SHED`), :data:`NOT_COUNTED`
+    (:data:`ENGINE_STOPPING`), else ``canceled`` (its client went away)."""
+    return {FRONTEND_LOST: "dropped", OVERDUE: "timeout", SHED: "rejected",
+            ENGINE_STOPPING: NOT_COUNTED}.get(message, "canceled")
 
 
 class CountedLater:

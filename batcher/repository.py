@@ -125,10 +125,11 @@ class ModelRepository(ModelSlots):
         if slot.task is not None:
             await asyncio.shield(slot.task)
 
-    async def _load(self, slot: ModelSlot) -> None:
+    async def _load(self, slot: ModelSlot, need: int | None = None) -> None:
+        """The load task: room made for ``need`` bytes (default: the slot's :attr:`ModelSlot.budget_bytes`)."""
         try:
             async with self._lock:
-                await self._make_room(slot)
+                await self._make_room(slot, need)
                 loaded, rss0 = await self._open(slot, slot.cfg)
                 await self._attach(slot, loaded)
                 slot.state, slot.reason, slot.failed = READY, "", None
@@ -182,8 +183,8 @@ class ModelRepository(ModelSlots):
     async def reload(self, slot: ModelSlot, cfg: ModelConfig) -> None:
         """Serve ``slot`` with ``cfg`` from now on (the repository API's load with a config).
 
-        The new load is made beside the current one (a model not loaded is loaded first, as configured) and takes
-        new requests as soon as it is ready; requests queued or executing on the old one finish there, then the
+        The new load is made beside the current one and takes new requests as soon as it is ready (a version not
+        loaded is loaded once, with ``cfg``: :meth:`_load_anew`); requests queued or executing on the old one finish there, then the
         old one is released. The model counts once against the memory budget (both are resident for a moment): as
         measured by the new load, and at least what its first load measured when the file is the same (the new
         load's growth lands in memory the old one holds or left). Under a budget, room is made for the new load's
@@ -194,6 +195,11 @@ class ModelRepository(ModelSlots):
             ConfigError: ``cfg`` does not load; the model keeps its config and its load. Unavailable: no room in the
                 memory budget, unloaded meanwhile, or the server is shutting down.
         """
+        while slot.state == UNLOADING and slot.task is not None:
+            await asyncio.shield(slot.task)
+        if slot.state == UNAVAILABLE:
+            await self._load_anew(slot, cfg)
+            return
         await self.load(slot)
         async with self._lock:
             if slot.state != READY or self.closed:
@@ -256,6 +262,36 @@ class ModelRepository(ModelSlots):
                 f"{self.budget.budget_bytes / MiB:.0f} MB cannot hold it beside the models in use")
             raise Unavailable(f"model '{slot.name}' version {slot.version} {too_large}" if too_large else
                               f"model '{slot.name}': {slot.reason}", retry_after_s=5) from None
+
+    async def _load_anew(self, slot: ModelSlot, cfg: ModelConfig) -> None:
+        """:meth:`reload` of a version not loaded: one load, with ``cfg`` (a new user's report: it was loaded as
+        configured, then again with ``cfg``, twice the time; under a budget the first load evicted other models for
+        a config then refused as larger than the whole budget). Room is made for :meth:`_reload_estimate`'s figure;
+        a load that fails leaves the version unloaded with its old config.
+
+        Raises:
+            Unavailable: ``cfg``'s estimate is more than the whole memory budget (nothing changes), or no room.
+            ConfigError: ``cfg`` does not load.
+        """
+        need = self._reload_estimate(slot, cfg)
+        if self.budget is not None and need > self.budget.budget_bytes:
+            raise Unavailable(f"model '{slot.name}' version {slot.version} would need about {need / MiB:.0f} MB with "
+                              f"this config, more than the whole memory budget ({self.budget.budget_bytes / MiB:.0f} "
+                              "MB): nothing was changed", retry_after_s=NOT_LOADED_RETRY_S)
+        old_cfg, old_measured = slot.cfg, slot.measured_bytes
+        slot.sticky_unloaded = False
+        slot.cfg, slot.measured_bytes = cfg, None
+        slot.state, slot.reason = LOADING, "loading"
+        slot.task = task = asyncio.create_task(self._load(slot, need), name=f"load-{slot.name}-{slot.version}")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
+        try:
+            await asyncio.shield(task)
+        except BaseException:
+            if task.done() and slot.state != READY:  # failed (not merely this caller cancelled): the old config
+                slot.cfg, slot.measured_bytes = old_cfg, old_measured
+            raise
+        if old_measured is not None and cfg.path == old_cfg.path and slot.measured_bytes is not None:
+            slot.measured_bytes = max(slot.measured_bytes, old_measured)  # as :meth:`reload`: the heap it reused
 
     def _reload_estimate(self, slot: ModelSlot, cfg: ModelConfig) -> int:
         """What ``slot`` would count with ``cfg`` before that load is measured: ``cfg.memory_mb``; for the same

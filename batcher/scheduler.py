@@ -2,7 +2,7 @@
 
 Flow for one model::
 
-    infer() --> bounded queue (max_queue_size requests; full -> 503 + Retry-After)
+    infer() --> bounded queue (max_queue_size requests per priority level; full -> 503 + Retry-After)
             --> batcher coroutine (:meth:`ModelRunner._batcher`): an idle executor, then a batch
             --> the executor (:mod:`batcher.executor`, the steps in :mod:`batcher.batch_steps`): re-check deadlines,
                 stack, run, split (for a GPU context in two steps on two threads, so the next batch is stacked
@@ -120,6 +120,8 @@ class ModelRunner:
         self._preferred = tuple(sorted(set(db.preferred_batch_size)))  # any order, as Triton's std::set
         self._adaptive = db.adaptive_queue_delay
         self._levels = db.priority_levels
+        #: queued requests per priority level (index 1..levels): max_queue_size bounds each level's queue
+        self._level_depth = [0] * (self._levels + 1)
         self._default_level = db.default_priority_level or (db.priority_levels + 1) // 2
         self._starve_s = db.max_priority_wait_microseconds / 1e6 if db.priority_levels > 1 else None
         self._queue: list[Pending] = []
@@ -187,11 +189,12 @@ class ModelRunner:
         """
         if self._closing:
             raise Unavailable(f"model '{self.name}' is shutting down")
-        if self._depth >= self.cfg.max_queue_size:
-            raise Unavailable(
-                f"model '{self.name}' queue is full ({self._depth} of max_queue_size {self.cfg.max_queue_size})")
-        now = self._loop.time()
         level = priority_level(priority, self._levels, self._default_level)
+        if self._level_depth[level] >= self.cfg.max_queue_size:  # each level's own queue, as Triton's policies
+            at = f" at priority level {level}" if self._levels > 1 else ""
+            raise Unavailable(f"model '{self.name}' queue is full ({self._level_depth[level]} of max_queue_size "
+                              f"{self.cfg.max_queue_size}{at})")
+        now = self._loop.time()
         if deadline is not None:
             if self.cfg.dynamic_batching.admission_control:
                 self._admit(now, deadline, rows, level)
@@ -207,6 +210,7 @@ class ModelRunner:
             self._tail = key if self._starve_s is None and (not self._tail or key >= self._tail) else None
         self._queue.append(p)
         self._queued_rows += rows
+        self._level_depth[level] += 1
         self._set_depth(self._depth + 1)
         if self._parked and self._full_queued():
             self._idle.put_nowait(self._parked.pop())
@@ -240,6 +244,10 @@ class ModelRunner:
             raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request was queued")
         if verdict is Verdict.CANNOT_FINISH:
             need = self.times.drain(ahead + rows, self._max_batch, len(self._executors)) or 0.0
+            if not ahead:  # alone, it still cannot finish: no retry can help (a fresh user's find: 503 + Retry-After)
+                raise DeadlineExceeded(
+                    f"model '{self.name}': this request's {rows} rows need about {need * 1e3:.1f} ms with nothing "
+                    f"ahead of them, beyond its deadline in {(deadline - now) * 1e3:.1f} ms")
             raise Unavailable(
                 f"model '{self.name}': the {ahead} rows ahead and this request's {rows} need about {need * 1e3:.1f} "
                 f"ms, beyond its deadline in {(deadline - now) * 1e3:.1f} ms", retry_after_s=max(1, math.ceil(drain)))
@@ -263,6 +271,7 @@ class ModelRunner:
         p.settle()
         p.inputs = {}
         self._queued_rows -= p.rows
+        self._level_depth[p.priority] -= 1
         self._set_depth(self._depth - 1)
 
     def _expire(self, p: Pending) -> None:
@@ -314,8 +323,10 @@ class ModelRunner:
         batch_trace.mark(batch, "dispatch")
         now = self._loop.time()
         waited = [now - p.arrival for p in batch]
+        level_depth = self._level_depth
         for p, w in zip(batch, waited):
             p.state = State.EXECUTING  # its deadline timer stays armed (see _expire)
+            level_depth[p.priority] -= 1
             self.stats.queue.add(w)
         observe_many(self.metrics.queue_duration, waited)  # one write per bucket, not two per request
         rows = sum(p.rows for p in batch)

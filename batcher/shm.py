@@ -33,9 +33,12 @@ Rules (Triton's unless said otherwise):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import resource
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -371,3 +374,36 @@ class Hold:
         """
         for region, offset, data in self._placements(outputs):
             await self._run(region, data.nbytes, region.write, offset, data)
+
+
+class RegistryLock:
+    """Serializes the changes that front-end processes make to the engine processes' registries (register,
+    unregister, a restarted engine process given the others' regions): each front end sends a change to every
+    engine process, and two changes of one name through two front ends at once reached the engine processes in
+    different orders (a fresh user's find: both clients got 400 "already registered", and the models of different
+    engine processes read different segments under one name). An exclusive ``flock`` on ``path`` (a file in the
+    server's runtime folder), polled every :data:`LOCK_POLL_S` so that a cancelled waiter leaves at once; the lock
+    goes with its process, whatever the exit."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._here = asyncio.Lock()  # one holder per process: a flock belongs to an open file, not a coroutine
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        async with self._here:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(LOCK_POLL_S)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+
+
+#: how often a front end waiting for :class:`RegistryLock` tries again, in seconds
+LOCK_POLL_S = 0.002

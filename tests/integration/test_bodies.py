@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import os
 import zlib
 
@@ -185,6 +186,31 @@ def test_a_refused_body_releases_its_reservation(server, body, headers, status, 
     if status == 413:  # the rest of the body is never read: the connection cannot carry another request
         assert {k.lower(): v for k, v in answer_headers.items()}.get("connection") == "close", answer_headers
     assert server.metric(GAUGE) == 0  # released before the answer was sent
+
+
+@pytest.mark.parametrize("lines,body,status", [
+    (["gzip", "zstd"], gzip.compress(BODY), 415),  # the second line's coding counts: zstd is not supported
+    (["identity", "gzip"], gzip.compress(BODY), 200),
+    (["gzip", "gzip"], gzip.compress(gzip.compress(BODY)), 200),
+])
+def test_content_encoding_on_several_lines_is_one_list(server, lines, body, status):
+    """``Content-Encoding`` sent on several header lines is the list of them all, in order (RFC 9110, 5.3; a fresh
+    user's find: only the first line was read, so gzip then zstd decoded as gzip alone: a 400 instead of 415)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.putrequest("POST", INFER)
+        for coding in lines:
+            conn.putheader("Content-Encoding", coding)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        code, data = r.status, r.read()
+    finally:
+        conn.close()
+    if status == 200:
+        _assert_answer(code, data)
+    else:
+        assert code == status and "'zstd' is not supported" in orjson.loads(data)["error"], data
 
 
 async def test_a_body_timing_out_releases_its_reservation(start_server, tmp_path):

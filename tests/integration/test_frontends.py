@@ -738,3 +738,100 @@ async def test_a_restarted_lone_engine_process_is_said_to_have_lost_the_regions_
     assert len(lines) == 1 and "(kept, registered through this front end)" in lines[0], lines
     assert server.stop() == 0
     assert "Traceback" not in server.log()
+
+
+async def test_sigterm_to_an_engine_process_drains_it_and_counts_each_request_once(start_server):
+    """SIGTERM to the engine process alone (a fresh user's find: it closed at once, its front end answered its
+    queued requests 503 and counted them ``rejected``, and the engine counted them ``dropped`` too): it drains as
+    a server does (batcher.engine_proc), so the requests queued in its 1.5 s batch window are answered 200, one
+    sent meanwhile gets 200 or 503, each counted once; then the supervisor starts it again."""
+    model = {**TINY, "dynamic_batching": {"max_queue_delay_microseconds": 1_500_000}}
+    server = start_server({"server": {"frontends": 1}, "models": [model]})
+    _wait_log(server, r"serving KServe v2")
+    engine = int(_wait_log(server, r"engine-cpu ready \(pid (\d+)\)")[0])
+    async with aiohttp.ClientSession() as s:
+        queued = [asyncio.create_task(_post_tiny(s, server.base)) for _ in range(3)]
+        await until(lambda: server.metric("batcher_queue_depth", **LABELS) == 3)
+        os.kill(engine, signal.SIGTERM)
+        late = await _post_tiny(s, server.base)
+        answers = [await t for t in queued]
+        assert [status for status, _ in answers] == [200, 200, 200], answers
+        assert late[0] in (200, 503), late
+        _wait_log(server, r"engine-cpu ready", count=2)
+        await until(lambda: _ready(server.base))
+        assert (await _post_tiny(s, server.base))[0] == 200
+    ok = 4 + (late[0] == 200)
+    await until(lambda: server.metric("batcher_request_success_total", **LABELS) == ok)
+    assert server.metric("batcher_request_failure_total", reason="rejected", **LABELS) == (late[0] == 503)
+    assert server.metric("batcher_request_failure_total", reason="dropped", **LABELS) == 0
+    assert server.metric("batcher_process_restart_total", process="engine") == 1
+    assert server.stop() == 0
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()
+
+
+def _tensor_bytes(response: aiohttp.ClientResponse, body: bytes) -> bytes:
+    """The binary part of a binary-extension answer (its one output's bytes)."""
+    return body[int(response.headers["Inference-Header-Content-Length"]):]
+
+
+async def test_one_region_name_registered_through_two_front_ends_at_once_has_one_owner_everywhere(start_server):
+    """Two front ends, an engine process per model, system shared memory (a fresh user's find: registering one
+    name with two segments through two front ends at once reached the engine processes in different orders; both
+    clients got 400 while the name stayed registered, the two models reading different segments): the changes
+    take turns (batcher.shm.RegistryLock), so one registration wins, the other gets 400, and both models read the
+    winner's segment."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    models = [m for m in _default_config()["models"] if m["name"] in ("tiny_cnn", "mid_cnn")]
+    server = start_server({"server": {"frontends": 2, "engine_processes": "per_model",
+                                      "shared_memory": {"system": True}}, "models": models})
+    _wait_log(server, r"serving KServe v2")
+    shape = (1, 3, 224, 224)
+    data = [np.zeros(shape, np.float32), np.ones(shape, np.float32)]
+    segs = [SharedMemory(create=True, size=data[0].nbytes) for _ in data]
+    conns = []
+    try:
+        for seg, x in zip(segs, data):
+            np.ndarray(shape, np.float32, buffer=seg.buf)[...] = x
+        owners: dict[int, Connection] = {}
+        while len(owners) < 2:  # one connection on each front end
+            conn = Connection()
+            conns.append(conn)
+            owners.setdefault(await conn.open(server), conn)
+        a, b = owners.values()
+        expected = {}
+        async with aiohttp.ClientSession() as s:
+            for model in ("tiny_cnn", "mid_cnn"):
+                for i, x in enumerate(data):
+                    async with s.post(f"{server.base}/v2/models/{model}/infer", **_binary(x)) as r:
+                        assert r.status == 200
+                        expected[model, i] = _tensor_bytes(r, await r.read())
+            shm_body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(shape),
+                                                 "parameters": {"shared_memory_region": "n",
+                                                                "shared_memory_byte_size": data[0].nbytes}}],
+                                     "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]})
+            for _ in range(20):
+                async def register(conn: Connection, seg: SharedMemory) -> int:
+                    reg = orjson.dumps({"key": "/" + seg.name, "offset": 0, "byte_size": data[0].nbytes})
+                    async with conn.session.post(f"{server.base}/v2/systemsharedmemory/region/n/register",
+                                                 data=reg) as r:
+                        await r.read()
+                        return r.status
+
+                statuses = await asyncio.gather(register(a, segs[0]), register(b, segs[1]))
+                assert sorted(statuses) == [200, 400], statuses
+                winner = statuses.index(200)
+                for model in ("tiny_cnn", "mid_cnn"):
+                    async with s.post(f"{server.base}/v2/models/{model}/infer", data=shm_body) as r:
+                        assert r.status == 200
+                        assert _tensor_bytes(r, await r.read()) == expected[model, winner], (model, winner)
+                async with s.post(f"{server.base}/v2/systemsharedmemory/region/n/unregister") as r:
+                    assert r.status == 200
+    finally:
+        for conn in conns:
+            await conn.session.close()
+        for seg in segs:
+            seg.close()
+            seg.unlink()
+    assert server.stop() == 0
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()

@@ -47,6 +47,7 @@ class FakeServer:
         self.slot_index = {("m", "1"): 0}
         self.counts = np.zeros(1, np.int64)
         self.connections: set = set()
+        self.stopping = False  # EngineServer.stopping: it closes its connections itself
 
     def register(self, area):
         return None
@@ -129,6 +130,26 @@ async def test_front_end_lost_after_the_batch_ended_but_before_the_done_callback
     c = counts(dp)
     assert c["success"] + c["dropped"] + c["canceled"] == 1, f"the outcome was never counted: {c}, acks {conn.acks}"
     await dp.close()
+
+
+@pytest.mark.looptime
+async def test_a_request_in_progress_when_the_engine_closes_its_connection_itself_is_not_counted_there():
+    """The engine process closing its connections itself (SIGTERM, its grace over: EngineServer.close): its front
+    end answers the requests it still had 503 and counts them (EngineLost), so here they are counted under no
+    reason at all, where a front end's death counts them ``dropped``."""
+    for stopping, dropped in ((True, 0), (False, 1)):
+        dp = await plane()
+        conn, transport = connection(dp)
+        conn.server.stopping = stopping
+        conn._on_message(req_message(1, InferRequest(rows(1)), now()))
+        assert conn.requests[1].ticket is not None  # queued by the fast path, its batch window open
+        conn.channel.connection_lost(None)
+        await asyncio.sleep(0.1)
+        await settle_loop()
+        c = counts(dp)
+        others = sum(v for k, v in c.items() if k not in ("dropped", "stats_fail"))
+        assert (c["dropped"], c["stats_fail"], others) == (dropped, dropped, 0), (stopping, c)
+        await dp.close()
 
 
 @pytest.mark.looptime

@@ -174,6 +174,34 @@ async def test_a_reload_makes_room_for_its_estimate_and_gives_back_a_load_over_t
     await r.close()
 
 
+async def test_a_reload_of_a_version_not_loaded_loads_it_once_with_the_new_config():
+    """A repository-API load with a config of a version not loaded (unloaded, evicted) loads it once, with that
+    config (a new user's report: it was loaded as configured first, then again; under lru that first load evicted
+    the other models for a config then refused as larger than the whole budget). A config larger than the whole
+    budget changes nothing; one that fails to load leaves the old config."""
+    loader = FakeLoader({"a": 30, "b": 30})
+    r, _ = repo([{"name": "a"}, {"name": "b"}], loader, load_strategy="lru", memory_budget_mb=100)
+    for name in "ab":
+        r.release(await r.acquire(r.slot(name)))
+    a = r.slot("a")
+    await r.unload(a)
+    loads = len(loader.loads)
+    with pytest.raises(Unavailable, match=re.escape("model 'a' version 1 would need about 120 MB with this config, "
+                                                    "more than the whole memory budget (100 MB): nothing was changed")):
+        await r.reload(a, instances(a.cfg, 4))
+    assert states(r) == {"a:1": UNAVAILABLE, "b:1": READY} and len(loader.loads) == loads
+    assert a.cfg.instances == 1
+    await r.reload(a, instances(a.cfg, 3))  # 90 MB beside b's 30: b (idle) is evicted, a loaded once
+    assert loader.loads[loads:] == ["a"] and a.cfg.instances == 3
+    assert states(r) == {"a:1": READY, "b:1": UNAVAILABLE} and a.measured_bytes == 30 * MiB
+    await r.unload(a)
+    loader.fail.add("a")
+    with pytest.raises(ConfigError, match="broken on purpose"):
+        await r.reload(a, a.cfg.model_copy(update={"max_batch_size": 4}))
+    assert a.state == UNAVAILABLE and a.cfg.instances == 3 and a.cfg.max_batch_size != 4
+    await r.close()
+
+
 def test_victim_choice_rule():
     cands = [Candidate("a", 20, 1.0), Candidate("b", 20, 2.0), Candidate("c", 60, 3.0), Candidate("e", 70, 4.0)]
     assert choose_victims(cands, 0) == []

@@ -7,6 +7,7 @@ take ``seconds_per_row`` x rows of virtual time (``looptime``), so every time as
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -346,6 +347,19 @@ async def test_admission_control_refuses_what_cannot_drain_in_time_with_retry_af
     await r.close()
 
 
+async def test_a_request_that_cannot_finish_alone_by_its_deadline_is_504_not_503():
+    """Nothing ahead of it, and its own rows need longer than its deadline: no retry can help, so it is a 504 with
+    no Retry-After (a fresh user's find: 503 + Retry-After, which proxies retry on another replica)."""
+    r, _, _, _ = runner(seconds_per_row=0.100)
+    await submit(r, 4)  # t(4) = 0.4 s measured
+    with pytest.raises(DeadlineExceeded) as exc:
+        await submit(r, 4, timeout_s=0.25)
+    assert exc.value.message == ("model 'm': this request's 4 rows need about 400.0 ms with nothing ahead of them, "
+                                 "beyond its deadline in 250.0 ms")
+    assert exc.value.retry_after_s is None and exc.value.status == 504
+    await r.close()
+
+
 @pytest.mark.parametrize("how", ["a higher priority", "an earlier deadline"])
 async def test_admission_counts_only_the_rows_that_go_before_the_request(how):
     """A fresh user's report: a request of the highest priority (or, at one level, with the earliest deadline) was
@@ -409,6 +423,29 @@ async def test_queue_full_is_503():
     with pytest.raises(Unavailable, match="queue is full"):
         await submit(r)
     await asyncio.gather(running, *queued)
+    await r.close()
+
+
+async def test_max_queue_size_bounds_each_priority_level_as_triton():
+    """Triton's ``default_queue_policy`` is the policy of each priority level's queue (a fresh user's find: a
+    request of the highest level got 503 "queue is full" because the queue was full of the lowest level's). The
+    level's own count is checked, and a level's slot comes back when its request leaves the queue."""
+    r, _, _, _ = runner(seconds_per_row=0.100, max_batch_size=1, priority_levels=2,
+                        default_queue_policy={"max_queue_size": 2})
+    running = submit(r, priority=2)
+    await asyncio.sleep(0)
+    lows = [submit(r, priority=2), submit(r, priority=2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match=re.escape("queue is full (2 of max_queue_size 2 at priority level 2)")):
+        await submit(r, priority=2)
+    highs = [submit(r, priority=1), submit(r, priority=1)]
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match="at priority level 1"):
+        await submit(r, priority=1)
+    assert r.queue_depth == 4
+    await asyncio.gather(running, highs[0])  # the first high went next: a level-1 slot is free again
+    again = submit(r, priority=1)
+    await asyncio.gather(*lows, highs[1], again)
     await r.close()
 
 
