@@ -12,12 +12,9 @@ request, or settles an answer sent but not yet acknowledged (counted ``canceled`
 answered 504 itself, :data:`batcher.outcomes.OVERDUE`); a front end that dies cancels
 every request it had and settles its answers not yet acknowledged (counted ``dropped``).
 
-SIGTERM to an engine process drains it as SIGTERM drains a server (``server.shutdown_grace_s``): new requests get
-503 (counted ``rejected`` here), accepted ones are answered, what is still queued when the grace is over gets 503,
-and the answers sent are acknowledged before it closes its connections. What it still holds then (a batch
-running past the grace) its front ends answer 503 and count (:class:`batcher.remote.EngineLost`), so it does not
-(:data:`batcher.outcomes.ENGINE_STOPPING`). SIGINT closes at once. The supervisor starts it again (the whole
-server's SIGTERM stops the front ends first, so its engine processes have nothing left to drain).
+When the process closes its connections itself (:meth:`EngineServer.close`, after SIGTERM's drain:
+:mod:`batcher.engine_main`), what it still holds its front ends answer 503 and count
+(:class:`batcher.remote.EngineLost`), so it does not (:data:`batcher.outcomes.ENGINE_STOPPING`).
 
 A request's input block is given back to its front end (the ``inputs_free`` flag of its outcome message, or a
 RELEASE message later) only when nothing reads it any more (:class:`batcher.protocol.Lease`): a request answered
@@ -33,31 +30,21 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import struct
-import sys
 from typing import Any
 
 import numpy as np
 
-from .config import Config
 from .dataplane import DataPlane
 from .outcomes import ENGINE_STOPPING, FRONTEND_LOST, CountedLater, cancel_reason
 from .errors import BatcherError, RemoteError
-from .heartbeat import beat
 from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
-from .loader import load_model
-from .metrics import Metrics
 from .protocol import InferResponse, Lease
-from .repository import ModelRepository
-from .topology import DeviceOrder, Engine, contexts_on, engine_config, engine_devices, engine_slots, placed_on
+from .topology import DeviceOrder
 
 log = logging.getLogger(__name__)
-
-#: SIGTERM's drain waits at most this long, after its grace, for the front ends to acknowledge the answers sent
-ACK_WAIT_S = 2.0
 
 
 class _Request:
@@ -429,92 +416,3 @@ class EngineServer:
         for conn in list(self.connections):
             conn.channel.close()
             await conn.closed.wait()
-
-
-# ---------------------------------------------------------------------------------------------- process entry
-def engine_loader(device: int | None):
-    """The repository's loader in the engine process of ``device``: only the contexts placed there."""
-
-    def load(cfg, where, on_restart=None):
-        return load_model(cfg, where, on_restart, instances=contexts_on(cfg, device))
-
-    return load
-
-
-async def run_engine(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder,
-                     heartbeat: Any = None) -> int:
-    """Load the models of ``engine``, serve front ends until SIGTERM/SIGINT, release the models. Returns the exit
-    code (2: a model failed to load). ``ready`` (a ``multiprocessing`` connection) gets ``("ready", pid)`` or
-    ``("error", message)``; ``heartbeat`` (a :class:`batcher.heartbeat.Heartbeat`) beats from before the
-    models load until the end."""
-    beating = asyncio.get_running_loop().create_task(beat(heartbeat)) if heartbeat is not None else None
-    try:
-        return await _serve(config, engine, path, ready, devices)
-    finally:
-        if beating is not None:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
-
-
-async def _serve(config: Config, engine: Engine, path: str, ready: Any, devices: DeviceOrder) -> int:
-    from .errors import ConfigError
-    from .supervisor import freeze_heap
-
-    cfg = engine_config(config, engine)
-    metrics = Metrics()
-    repository = ModelRepository(cfg, metrics, loader=engine_loader(engine.device), serves=placed_on(engine))
-    dataplane = DataPlane(cfg, metrics, repository, deliver_checks_deadline=True)
-    try:
-        await dataplane.start()
-    except ConfigError as exc:
-        log.error("%s", exc)
-        ready.send(("error", str(exc)))
-        return 2
-    server = EngineServer(dataplane, engine.device, path, config.server.frontend_buffer_mb << 20,
-                          engine_slots(config, engine), devices)
-    await server.start()
-    freeze_heap()
-    stop, now = asyncio.Event(), asyncio.Event()  # SIGTERM: drain first; SIGINT: close at once
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, lambda: (stop.set(), now.set()))
-    log.info("engine process for %s: %d model version(s) ready", engine.name, len(server.slot_index))
-    ready.send(("ready", os.getpid()))
-    await stop.wait()
-    if not now.is_set():  # the drain (module docstring), cut short by a SIGINT
-        draining, interrupted = loop.create_task(_drain(dataplane, server, config.server.shutdown_grace_s)), \
-            loop.create_task(now.wait())
-        await asyncio.wait([draining, interrupted], return_when=asyncio.FIRST_COMPLETED)
-        for task in (draining, interrupted):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    await server.close()
-    await dataplane.close()
-    return 0
-
-
-async def _drain(dataplane: DataPlane, server: EngineServer, grace_s: float) -> None:
-    """SIGTERM's drain: new requests 503, accepted ones answered within ``grace_s``; then what is still queued gets
-    503 (counted here), and the answers sent are acknowledged (at most :data:`ACK_WAIT_S`), so that they are
-    counted here before the connections close."""
-    await dataplane.drain(grace_s)
-    if dataplane.shed():
-        await asyncio.sleep(0)  # their ERROR messages go out with this loop iteration
-    await server.acknowledged(ACK_WAIT_S)
-
-
-def engine_main(config: Config, engine: Engine, path: str, log_level: str, heartbeat: Any, ready: Any) -> None:
-    """The engine process (``multiprocessing`` spawn target): pins its device first (``CUDA_VISIBLE_DEVICES``
-    lists it first, :class:`batcher.topology.DeviceOrder`)."""
-    from .supervisor import child_setup, run, set_device_options, set_switch_interval
-
-    gpus = [d for d in engine_devices(config) if d is not None]
-    devices = DeviceOrder(engine.device, gpus or [0], os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if devices.pinned:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices.visible
-    child_setup(f"engine {engine.name}", log_level, config.server.keep_heap)
-    set_switch_interval(config.server.gil_switch_interval_us)
-    set_device_options(config.server)
-    sys.exit(run(run_engine(config, engine, path, ready, devices, heartbeat), config.server.event_loop))

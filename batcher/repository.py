@@ -184,12 +184,13 @@ class ModelRepository(ModelSlots):
         """Serve ``slot`` with ``cfg`` from now on (the repository API's load with a config).
 
         The new load is made beside the current one and takes new requests as soon as it is ready (a version not
-        loaded is loaded once, with ``cfg``: :meth:`_load_anew`); requests queued or executing on the old one finish there, then the
-        old one is released. The model counts once against the memory budget (both are resident for a moment): as
-        measured by the new load, and at least what its first load measured when the file is the same (the new
-        load's growth lands in memory the old one holds or left). Under a budget, room is made for the new load's
-        estimate first (:meth:`_reload_estimate`; idle models are evicted as for any load), and a new load measured
-        over the budget that no eviction can fit is given back: the old one serves on.
+        loaded is loaded once, with ``cfg``: :meth:`_load_anew`); requests queued or executing on the old one
+        finish there, then the old one is released. The model counts once against the memory budget (both are
+        resident for a moment): as measured by the new load, and at least what its first load measured when the
+        file is the same (the new load's growth lands in memory the old one holds or left). Under a budget, room
+        is made for the new load's estimate first (:meth:`_reload_estimate`; idle models are evicted as for any
+        load), and a new load measured over the budget that no eviction can fit is given back: the old one serves
+        on.
 
         Raises:
             ConfigError: ``cfg`` does not load; the model keeps its config and its load. Unavailable: no room in the

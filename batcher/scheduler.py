@@ -245,9 +245,9 @@ class ModelRunner:
         if verdict is Verdict.CANNOT_FINISH:
             need = self.times.drain(ahead + rows, self._max_batch, len(self._executors)) or 0.0
             if not ahead:  # alone, it still cannot finish: no retry can help (a fresh user's find: 503 + Retry-After)
-                raise DeadlineExceeded(
-                    f"model '{self.name}': this request's {rows} rows need about {need * 1e3:.1f} ms with nothing "
-                    f"ahead of them, beyond its deadline in {(deadline - now) * 1e3:.1f} ms")
+                left_ms = (deadline - now) * 1e3
+                raise DeadlineExceeded(f"model '{self.name}': this request's {rows} rows need about {need * 1e3:.1f} "
+                                       f"ms with nothing ahead of them, beyond its deadline in {left_ms:.1f} ms")
             raise Unavailable(
                 f"model '{self.name}': the {ahead} rows ahead and this request's {rows} need about {need * 1e3:.1f} "
                 f"ms, beyond its deadline in {(deadline - now) * 1e3:.1f} ms", retry_after_s=max(1, math.ceil(drain)))

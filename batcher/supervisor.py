@@ -299,7 +299,7 @@ class Supervisor:
         self.announced = False
         self.drain_deadline = 0.0
         self._checked_at = time.monotonic()  # the last stall check (:meth:`_kill_stalled`)
-        from .engine_proc import engine_main
+        from .engine_main import engine_main
         from .frontend import frontend_main
 
         # sockets by index: a model's name may be long or odd, and a socket path has 107 bytes at most

@@ -4,7 +4,7 @@ its CPU per request, when driver processes speak its Unix-socket protocol direct
 Each driver process holds one connection (as a front end does: :class:`batcher.remote.EngineLink`) and keeps
 ``--concurrency`` requests outstanding, closed loop: submit, await the answer, acknowledge, submit again. Tensors
 of 64 KiB or more go through the connection's shared area, as from a real front end. The engine process is the
-real one (:func:`batcher.engine_proc.engine_main`), started as the supervisor starts it, its metrics written to
+real one (:func:`batcher.engine_main.engine_main`), started as the supervisor starts it, its metrics written to
 files (prometheus-client's multiprocess mode; the results committed before 2026-12-03 had them in memory, which
 costs less).
 
@@ -152,7 +152,7 @@ def _engine_count(path: str, config_data: dict, model: str, expect: int, wait_s:
 
 def run(args) -> dict:
     from batcher.config import parse_config
-    from batcher.engine_proc import engine_main
+    from batcher.engine_main import engine_main
     from batcher.heartbeat import Heartbeat
     from batcher.topology import engines
 

@@ -743,7 +743,7 @@ async def test_a_restarted_lone_engine_process_is_said_to_have_lost_the_regions_
 async def test_sigterm_to_an_engine_process_drains_it_and_counts_each_request_once(start_server):
     """SIGTERM to the engine process alone (a fresh user's find: it closed at once, its front end answered its
     queued requests 503 and counted them ``rejected``, and the engine counted them ``dropped`` too): it drains as
-    a server does (batcher.engine_proc), so the requests queued in its 1.5 s batch window are answered 200, one
+    a server does (batcher.engine_main), so the requests queued in its 1.5 s batch window are answered 200, one
     sent meanwhile gets 200 or 503, each counted once; then the supervisor starts it again."""
     model = {**TINY, "dynamic_batching": {"max_queue_delay_microseconds": 1_500_000}}
     server = start_server({"server": {"frontends": 1}, "models": [model]})
