@@ -121,6 +121,9 @@ class DataPlane:
         #: Triton's shared-memory extensions: the regions clients registered (:mod:`batcher.shm`).
         self.shm = SharedMemoryRegistry(config.server.shared_memory, page_lock=uses_gpu(config))
         self.ready = False  # until started, and again from the moment a drain begins: new requests get 503
+        #: the 503's message from the moment a drain begins (an engine process names itself: the server is not
+        #: shutting down when one engine process drains)
+        self.stopping_message = "server is shutting down"
         self._inflight = Inflight()
         self._monitor: asyncio.Task | None = None
 
@@ -199,7 +202,7 @@ class DataPlane:
         target = self.repository.slot(model, version)
         if not self.ready:
             self._count(target, "rejected", received)
-            raise Unavailable("server is not ready" if self._monitor is None else "server is shutting down")
+            raise Unavailable("server is not ready" if self._monitor is None else self.stopping_message)
         owner = target
         self._inflight.enter()
         loop = asyncio.get_running_loop()

@@ -1,8 +1,9 @@
 """The engine process's entry (multi-process mode): load the models of one :class:`batcher.topology.Engine`, serve
 front ends (:class:`batcher.engine_proc.EngineServer`) until a signal, release the models.
 
-SIGTERM to an engine process drains it as SIGTERM drains a server (``server.shutdown_grace_s``): new requests get
-503 (counted ``rejected`` here), accepted ones are answered, what is still queued when the grace is over gets 503,
+SIGTERM to an engine process drains it as SIGTERM drains a server (``server.shutdown_grace_s``): its front ends
+are told (:meth:`batcher.engine_proc.EngineServer.drain`: they route nothing new to it and report not ready), a
+request that still arrives gets 503 (counted ``rejected`` here), accepted ones are answered, what is still queued when the grace is over gets 503,
 and the answers sent are acknowledged before it closes its connections. What it still holds then (a batch
 running past the grace) its front ends answer 503 and count (:class:`batcher.remote.EngineLost`), so it does not
 (:data:`batcher.outcomes.ENGINE_STOPPING`). SIGINT closes at once. The supervisor starts it again (the whole
@@ -67,6 +68,7 @@ async def _serve(config: Config, engine: Engine, path: str, ready: Any, devices:
     metrics = Metrics()
     repository = ModelRepository(cfg, metrics, loader=engine_loader(engine.device), serves=placed_on(engine))
     dataplane = DataPlane(cfg, metrics, repository, deliver_checks_deadline=True)
+    dataplane.stopping_message = f"the engine process for {engine.name} is shutting down; it will be restarted"
     try:
         await dataplane.start()
     except ConfigError as exc:
@@ -101,6 +103,7 @@ async def _drain(dataplane: DataPlane, server: EngineServer, grace_s: float) -> 
     """SIGTERM's drain: new requests 503, accepted ones answered within ``grace_s``; then what is still queued gets
     503 (counted here), and the answers sent are acknowledged (at most :data:`ACK_WAIT_S`), so that they are
     counted here before the connections close."""
+    server.drain()
     await dataplane.drain(grace_s)
     if dataplane.shed():
         await asyncio.sleep(0)  # their ERROR messages go out with this loop iteration

@@ -39,7 +39,7 @@ import numpy as np
 from .dataplane import DataPlane
 from .outcomes import ENGINE_STOPPING, FRONTEND_LOST, CountedLater, cancel_reason
 from .errors import BatcherError, RemoteError
-from .ipc import (ABORT, ACK, CALL, CANCELED, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
+from .ipc import (ABORT, ACK, CALL, CANCELED, DRAINING, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, error_tuple, pack_tensors, request_from, send_hello, unpack_tensors)
 from .protocol import InferResponse, Lease
 from .topology import DeviceOrder
@@ -330,8 +330,8 @@ class EngineServer:
         self._accepting: asyncio.Task | None = None
         self._next_index = 0
         self._cuda_ok = device is not None
-        #: this process closes its connections itself (:meth:`close`)
-        self.stopping = False
+        #: this process closes its connections itself (:meth:`close`); it drains (:meth:`drain`)
+        self.stopping = self.draining = False
 
     async def start(self) -> None:
         """Listen (a stale socket file of an earlier engine process is replaced)."""
@@ -368,6 +368,15 @@ class EngineServer:
         sock.setblocking(False)
         self.connections.add(conn)
         await asyncio.get_running_loop().connect_accepted_socket(lambda: conn.channel, sock)
+        if self.draining:
+            conn.channel.send((DRAINING, 0))
+
+    def drain(self) -> None:
+        """SIGTERM's drain begins: every front end (and one connecting later) is told (:data:`DRAINING`), so that
+        it routes nothing new here and reports not ready until the process that replaces this one is connected."""
+        self.draining = True
+        for conn in self.connections:
+            conn.channel.send((DRAINING, 0))
 
     def register(self, area: Area) -> Any:
         """Page-lock ``area`` on this process's GPU (None on the CPU, or when CUDA refuses: then logged once)."""

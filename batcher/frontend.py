@@ -228,7 +228,11 @@ class RemoteDataPlane:
         route = self._route(cfg, named, request)
         if route is None:
             self._count_here(cfg, "rejected", received)
-            if any(link.connected for link in self._links_of[(cfg.name, str(cfg.version))]):
+            links = self._links_of[(cfg.name, str(cfg.version))]
+            if any(link.connected and link.draining for link in links):
+                raise Unavailable(f"model '{cfg.name}': the engine process serving it is draining (SIGTERM); it is "
+                                  "being restarted", retry_after_s=1)
+            if any(link.connected for link in links):
                 raise Unavailable(f"model '{cfg.name}': the engine process serving it has stopped running (stopped "
                                   "or stuck); it is restarted once server.stall_timeout_s passes", retry_after_s=1)
             raise Unavailable(f"model '{cfg.name}': the engine process serving it is not running; it is being "

@@ -67,6 +67,9 @@ ERROR = 12
 RELEASE = 13
 #: ``(REPLY, cid, ok, value)``: a CALL's result, or its :func:`error_tuple`.
 REPLY = 14
+#: ``(DRAINING, 0)``: the engine process drains (SIGTERM): route nothing new to it, readiness false until the
+#: process that replaces it is connected (:meth:`batcher.remote.EngineLink.up`).
+DRAINING = 15
 #: a REQ's ``failure`` when the client went away before its request was read.
 CANCELED = "canceled"
 

@@ -34,7 +34,7 @@ from .config import ModelConfig
 from .errors import DeadlineExceeded, RemoteError, Unavailable
 from .heartbeat import Heartbeat
 from .outcomes import OVERDUE, SHED
-from .ipc import (ABORT, ACK, ALIGN, CALL, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
+from .ipc import (ABORT, ACK, ALIGN, CALL, DRAINING, ERROR, RELEASE, REPLY, REQ, RESULT, Allocator, Area, Channel,
                   area_view, pack_tensors, recv_hello, request_fields, unpack_tensors)
 from .protocol import InferRequest
 from .topology import Engine
@@ -106,6 +106,8 @@ class EngineLink:
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
         self.connected = False
+        #: its engine process said it drains (SIGTERM, :data:`batcher.ipc.DRAINING`): not up until replaced
+        self.draining = False
         self.pid: int | None = None
         self._channel: Channel | None = None
         self._area: Area | None = None
@@ -167,7 +169,7 @@ class EngineLink:
         self._channel, self._area, self.pid = channel, area, hello["pid"]
         self._inputs = Allocator(0, area.size // 2)
         self._counts = area_view(status.buf, (max(1, len(self.keys)),), np.int64)
-        self.connected = True
+        self.connected, self.draining = True, False
 
     def _on_lost(self) -> None:
         self.connected = False
@@ -216,8 +218,9 @@ class EngineLink:
 
     def up(self) -> bool:
         """Connected, and its engine process has run its event loop within ``stale_s`` (a stopped or stuck one,
-        killed only after ``server.stall_timeout_s``, gets no new requests and makes readiness false meanwhile)."""
-        return self.connected and (self.heartbeat is None
+        killed only after ``server.stall_timeout_s``, gets no new requests and makes readiness false meanwhile),
+        and not draining (SIGTERM to it: the same until the process that replaces it is connected)."""
+        return self.connected and not self.draining and (self.heartbeat is None
                                    or self.heartbeat.stalled(time.monotonic(), self.stale_s) is None)
 
     def load(self, key: tuple[str, str]) -> float:
@@ -246,6 +249,8 @@ class EngineLink:
                 sent.future.set_result(msg)
         elif kind == RELEASE:
             self._free(rid)
+        elif kind == DRAINING:
+            self.draining = True
         elif kind == REPLY:
             fut = self._calls.pop(rid, None)
             if fut is not None and not fut.done():

@@ -125,8 +125,10 @@ class ModelRepository(ModelSlots):
         if slot.task is not None:
             await asyncio.shield(slot.task)
 
-    async def _load(self, slot: ModelSlot, need: int | None = None) -> None:
-        """The load task: room made for ``need`` bytes (default: the slot's :attr:`ModelSlot.budget_bytes`)."""
+    async def _load(self, slot: ModelSlot, need: int | None = None, given: bool = False) -> None:
+        """The load task: room made for ``need`` bytes (default: the slot's :attr:`ModelSlot.budget_bytes`).
+        ``given``: the config is a client's (a repository load's): its failure is the client's answer, not logged,
+        and left to the caller to undo (:meth:`_load_anew`)."""
         try:
             async with self._lock:
                 await self._make_room(slot, need)
@@ -138,6 +140,9 @@ class ModelRepository(ModelSlots):
                 if self.budget is not None and self.used_bytes > self.budget.budget_bytes:
                     await self._refit(slot)  # measured above its estimate
         except ConfigError as exc:
+            if given:
+                slot.state = UNAVAILABLE
+                raise
             again = slot.failed == str(exc)  # the same failure, retried by a request: not news (WARNING)
             slot.state, slot.reason, slot.failed = UNAVAILABLE, f"load failed: {exc}", str(exc)
             slot.failed_at = asyncio.get_running_loop().time()
@@ -268,7 +273,9 @@ class ModelRepository(ModelSlots):
         """:meth:`reload` of a version not loaded: one load, with ``cfg`` (a new user's report: it was loaded as
         configured, then again with ``cfg``, twice the time; under a budget the first load evicted other models for
         a config then refused as larger than the whole budget). Room is made for :meth:`_reload_estimate`'s figure;
-        a load that fails leaves the version unloaded with its old config.
+        a load that fails (a 400, not logged) leaves the version as it was: unloaded, its old config, its reason
+        (a fresh user's find: it said "load failed" with the refused config's error, and the next request loaded
+        the old config, undoing an unload by request).
 
         Raises:
             Unavailable: ``cfg``'s estimate is more than the whole memory budget (nothing changes), or no room.
@@ -280,16 +287,19 @@ class ModelRepository(ModelSlots):
                               f"this config, more than the whole memory budget ({self.budget.budget_bytes / MiB:.0f} "
                               "MB): nothing was changed", retry_after_s=NOT_LOADED_RETRY_S)
         old_cfg, old_measured = slot.cfg, slot.measured_bytes
+        was = (slot.reason, slot.failed, slot.failed_at, slot.sticky_unloaded)
         slot.sticky_unloaded = False
         slot.cfg, slot.measured_bytes = cfg, None
         slot.state, slot.reason = LOADING, "loading"
-        slot.task = task = asyncio.create_task(self._load(slot, need), name=f"load-{slot.name}-{slot.version}")
+        slot.task = task = asyncio.create_task(self._load(slot, need, given=True),
+                                               name=f"load-{slot.name}-{slot.version}")
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
         try:
             await asyncio.shield(task)
         except BaseException:
-            if task.done() and slot.state != READY:  # failed (not merely this caller cancelled): the old config
+            if task.done() and slot.state != READY:  # failed (not merely this caller cancelled): as it was
                 slot.cfg, slot.measured_bytes = old_cfg, old_measured
+                slot.reason, slot.failed, slot.failed_at, slot.sticky_unloaded = was
             raise
         if old_measured is not None and cfg.path == old_cfg.path and slot.measured_bytes is not None:
             slot.measured_bytes = max(slot.measured_bytes, old_measured)  # as :meth:`reload`: the heap it reused

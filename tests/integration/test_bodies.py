@@ -192,6 +192,7 @@ def test_a_refused_body_releases_its_reservation(server, body, headers, status, 
     (["gzip", "zstd"], gzip.compress(BODY), 415),  # the second line's coding counts: zstd is not supported
     (["identity", "gzip"], gzip.compress(BODY), 200),
     (["gzip", "gzip"], gzip.compress(gzip.compress(BODY)), 200),
+    (["gzip, gzip", "gzip, gzip, gzip"], b"x", 400),  # more than MAX_CODINGS (4): refused before any decoding
 ])
 def test_content_encoding_on_several_lines_is_one_list(server, lines, body, status):
     """``Content-Encoding`` sent on several header lines is the list of them all, in order (RFC 9110, 5.3; a fresh
@@ -209,8 +210,10 @@ def test_content_encoding_on_several_lines_is_one_list(server, lines, body, stat
         conn.close()
     if status == 200:
         _assert_answer(code, data)
-    else:
+    elif status == 415:
         assert code == status and "'zstd' is not supported" in orjson.loads(data)["error"], data
+    else:
+        assert (code, orjson.loads(data)["error"]) == (400, "Content-Encoding lists 5 codings; at most 4 are undone")
 
 
 async def test_a_body_timing_out_releases_its_reservation(start_server, tmp_path):

@@ -6,6 +6,7 @@ Models are loaded by :class:`fakes.FakeLoader` (no file; each counts a chosen nu
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import pytest
@@ -174,7 +175,7 @@ async def test_a_reload_makes_room_for_its_estimate_and_gives_back_a_load_over_t
     await r.close()
 
 
-async def test_a_reload_of_a_version_not_loaded_loads_it_once_with_the_new_config():
+async def test_a_reload_of_a_version_not_loaded_loads_it_once_with_the_new_config(caplog):
     """A repository-API load with a config of a version not loaded (unloaded, evicted) loads it once, with that
     config (a new user's report: it was loaded as configured first, then again; under lru that first load evicted
     the other models for a config then refused as larger than the whole budget). A config larger than the whole
@@ -195,10 +196,15 @@ async def test_a_reload_of_a_version_not_loaded_loads_it_once_with_the_new_confi
     assert loader.loads[loads:] == ["a"] and a.cfg.instances == 3
     assert states(r) == {"a:1": READY, "b:1": UNAVAILABLE} and a.measured_bytes == 30 * MiB
     await r.unload(a)
+    reason, sticky = a.reason, a.sticky_unloaded
     loader.fail.add("a")
-    with pytest.raises(ConfigError, match="broken on purpose"):
-        await r.reload(a, a.cfg.model_copy(update={"max_batch_size": 4}))
+    with caplog.at_level(logging.WARNING, logger="batcher.repository"):
+        with pytest.raises(ConfigError, match="broken on purpose"):
+            await r.reload(a, a.cfg.model_copy(update={"max_batch_size": 4}))
     assert a.state == UNAVAILABLE and a.cfg.instances == 3 and a.cfg.max_batch_size != 4
+    # as it was: unloaded by request, not "load failed" (a request would have loaded the old config then)
+    assert (a.reason, a.sticky_unloaded, a.failed) == (reason, sticky, None) and sticky
+    assert not caplog.records  # the client's config: its 400 says why, no ERROR line
     await r.close()
 
 
