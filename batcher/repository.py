@@ -104,9 +104,14 @@ class ModelRepository(ModelSlots):
                 slot stays UNAVAILABLE with that reason.
         """
         self._refuse_too_large(slot)
+        self._spawn_load(slot)
+
+    def _spawn_load(self, slot: ModelSlot, need: int | None = None, given: bool = False) -> asyncio.Task:
+        """State LOADING, and ``slot.task`` the load (:meth:`_load`'s arguments); returns the task."""
         slot.state, slot.reason = LOADING, "loading"
-        slot.task = asyncio.create_task(self._load(slot), name=f"load-{slot.name}-{slot.version}")
-        slot.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
+        slot.task = task = asyncio.create_task(self._load(slot, need, given), name=f"load-{slot.name}-{slot.version}")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
+        return task
 
     async def load(self, slot: ModelSlot) -> None:
         """Load ``slot`` now (repository API, eager start); returns when it is READY.
@@ -290,10 +295,7 @@ class ModelRepository(ModelSlots):
         was = (slot.reason, slot.failed, slot.failed_at, slot.sticky_unloaded)
         slot.sticky_unloaded = False
         slot.cfg, slot.measured_bytes = cfg, None
-        slot.state, slot.reason = LOADING, "loading"
-        slot.task = task = asyncio.create_task(self._load(slot, need, given=True),
-                                               name=f"load-{slot.name}-{slot.version}")
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consumed; callers read state
+        task = self._spawn_load(slot, need, given=True)
         try:
             await asyncio.shield(task)
         except BaseException:
